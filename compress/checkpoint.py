@@ -1,0 +1,195 @@
+"""Tensor-level checkpoint I/O: lazy reading and streamed, sharded writing.
+
+Reading: a Hugging Face checkpoint directory's weights (``model.safetensors``, sharded safetensors with
+``model.safetensors.index.json``, or ``pytorch_model.bin`` loaded only with ``weights_only=True``) are
+indexed by name from the safetensors headers and read one tensor at a time, so nothing is read that is
+not asked for. Tensors are read with plain positioned reads into fresh memory rather than through a
+memory map: every touched page of a mapped file stays in the process's resident set (measured: reading
+a 1 GB file tensor by tensor through ``safe_open`` left RSS 1 GB higher; plain reads, +4 MB), which
+would defeat the one-block-at-a-time memory bound. Headers are validated up front so a truncated file
+is a clear error, not a crash half-way through a run.
+
+Writing: tensors are appended to a `ShardedWriter`, which flushes a shard file whenever the pending
+bytes exceed the shard size, so a finished block leaves memory as soon as it is written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from compress.errors import CompressError
+
+# safetensors dtype names (safetensors/src/tensor.rs) -> torch dtypes
+SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+SAFE_SINGLE = "model.safetensors"
+SAFE_INDEX = "model.safetensors.index.json"
+BIN_SINGLE = "pytorch_model.bin"
+BIN_INDEX = "pytorch_model.bin.index.json"
+
+
+def _read_safetensors_header(path: Path) -> tuple[int, dict[str, dict]]:
+    """Validate a safetensors file's header against its size; return (data start, tensor entries)."""
+    size = path.stat().st_size
+    fix = "re-download or re-save the checkpoint"
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            raise CompressError(f"{path} is not a safetensors file (only {size} bytes): {fix}")
+        (header_len,) = struct.unpack("<Q", head)
+        if header_len > size - 8:
+            raise CompressError(f"{path} is truncated: its header needs {header_len} bytes, file has {size}: {fix}")
+        try:
+            header = json.loads(f.read(header_len))
+        except ValueError:
+            header = None
+    entries = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
+    if entries is None or not all(isinstance(v, dict) and "data_offsets" in v for v in entries.values()):
+        raise CompressError(f"{path} has a corrupt safetensors header: {fix}")
+    data_end = max((v["data_offsets"][1] for v in entries.values()), default=0)
+    if 8 + header_len + data_end > size:
+        raise CompressError(
+            f"{path} is truncated: {8 + header_len + data_end} bytes expected, {size} found: {fix}"
+        )
+    for name, entry in entries.items():
+        if entry.get("dtype") not in SAFETENSORS_DTYPES:
+            raise CompressError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')}: convert the checkpoint")
+    return 8 + header_len, entries
+
+
+def _read_tensor(path: Path, data_start: int, entry: dict) -> torch.Tensor:
+    tensor = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
+    begin, end = entry["data_offsets"]
+    if end > begin:
+        buffer = tensor.reshape(-1).view(torch.uint8).numpy()
+        with path.open("rb", buffering=0) as f:
+            f.seek(data_start + begin)
+            if f.readinto(buffer) != end - begin:
+                raise CompressError(f"{path} ended while reading a tensor: re-download or re-save the checkpoint")
+    return tensor
+
+
+class CheckpointReader:
+    """Name → tensor access to a checkpoint directory's weights, one tensor at a time."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self._file_of: dict[str, Path] = {}
+        self._entries: dict[str, tuple[int, dict]] = {}
+        self._bin_cache: dict[Path, dict[str, torch.Tensor]] = {}
+        self.files: list[Path] = []
+        for index_name in (SAFE_INDEX, BIN_INDEX):
+            if (directory / index_name).is_file():
+                self._read_index(directory / index_name)
+                break
+        else:
+            for single in (SAFE_SINGLE, BIN_SINGLE):
+                if (directory / single).is_file():
+                    self._add_file(directory / single)
+                    break
+            else:
+                raise CompressError(
+                    f"no weights in {directory}: expected {SAFE_SINGLE}, {SAFE_INDEX} or {BIN_SINGLE}"
+                )
+
+    def _read_index(self, index: Path) -> None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (ValueError, KeyError):
+            raise CompressError(f"{index} is not a valid weight index (no 'weight_map'): re-save the checkpoint") from None
+        for file_name in sorted(set(weight_map.values())):
+            path = self.directory / file_name
+            if not path.is_file():
+                raise CompressError(f"{index} lists {file_name}, which is missing: re-download the checkpoint")
+            self._add_file(path)
+
+    def _add_file(self, path: Path) -> None:
+        self.files.append(path)
+        if path.suffix == ".safetensors":
+            data_start, entries = _read_safetensors_header(path)
+            self._entries.update({name: (data_start, entry) for name, entry in entries.items()})
+            names = list(entries)
+        else:
+            names = list(self._load_bin(path))
+        for name in names:
+            self._file_of[name] = path
+
+    def _load_bin(self, path: Path) -> dict[str, torch.Tensor]:
+        if path not in self._bin_cache:
+            try:
+                self._bin_cache[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+            except Exception as exc:  # pickle errors come in many types
+                raise CompressError(f"cannot read {path} with weights_only=True ({type(exc).__name__}): convert it to safetensors") from None
+        return self._bin_cache[path]
+
+    def names(self) -> list[str]:
+        return list(self._file_of)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._file_of
+
+    def get(self, name: str) -> torch.Tensor:
+        path = self._file_of[name]
+        if path.suffix != ".safetensors":
+            return self._load_bin(path)[name]
+        return _read_tensor(path, *self._entries[name])
+
+    def total_bytes(self) -> int:
+        return sum(p.stat().st_size for p in self.files)
+
+
+class ShardedWriter:
+    """Writes tensors to ``model-XXXXX-of-YYYYY.safetensors`` shards plus an index, streaming."""
+
+    def __init__(self, directory: Path, max_shard_bytes: int = 512 << 20):
+        self.directory = directory
+        self.max_shard_bytes = max_shard_bytes
+        self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
+        self._shards: list[tuple[Path, list[str]]] = []
+        self.total_bytes = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        t = tensor.detach().to("cpu").contiguous()
+        self._pending[name] = t
+        self._pending_bytes += t.numel() * t.element_size()
+        if self._pending_bytes >= self.max_shard_bytes:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        path = self.directory / f"shard-{len(self._shards):05d}.tmp"
+        save_file(self._pending, str(path), metadata={"format": "pt"})
+        path.chmod(0o644)  # safetensors creates files private to the owner
+        self._shards.append((path, list(self._pending)))
+        self.total_bytes += self._pending_bytes
+        self._pending, self._pending_bytes = {}, 0
+
+    def close(self) -> list[Path]:
+        """Flush and give shards their final names (a single ``model.safetensors`` if only one)."""
+        self.flush()
+        count = len(self._shards)
+        if count == 1:
+            final = self.directory / SAFE_SINGLE
+            os.replace(self._shards[0][0], final)
+            return [final]
+        weight_map: dict[str, str] = {}
+        finals = []
+        for i, (path, names) in enumerate(self._shards):
+            final = self.directory / f"model-{i + 1:05d}-of-{count:05d}.safetensors"
+            os.replace(path, final)
+            finals.append(final)
+            weight_map.update({n: final.name for n in names})
+        index = {"metadata": {"total_size": self.total_bytes}, "weight_map": weight_map}
+        (self.directory / SAFE_INDEX).write_text(json.dumps(index, indent=2) + "\n")
+        return finals

@@ -1,0 +1,247 @@
+"""The `compress` command line. Every compressing command builds a `Recipe` and runs it."""
+
+from __future__ import annotations
+
+import logging
+import shlex
+import sys
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+from rich.table import Table
+
+from compress import __version__
+from compress.console import console, human_bytes, key_value_table, print_json, progress_bars, stdout, user_errors
+
+app = typer.Typer(
+    name="compress",
+    help="Offline compression toolkit for large language models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+eval_app = typer.Typer(help="Evaluate models.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+
+JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON on stdout instead of tables.")
+DEVICE_OPT = typer.Option("cpu", "--device", help="Compute device: cpu or cuda.")
+
+
+def _command_line() -> str:
+    return shlex.join(["compress", *sys.argv[1:]])
+
+
+def _run(data: dict[str, Any], source: str, as_json: bool) -> None:
+    from compress.recipe import parse_recipe
+
+    _execute(parse_recipe(data, source), as_json)
+
+
+def _execute(recipe, as_json: bool) -> None:
+    from compress.runner import run_recipe
+
+    with progress_bars(not as_json) as progress:
+        result = run_recipe(recipe, progress, command=_command_line())
+    summary = result.to_dict()
+    if as_json:
+        print_json(summary)
+        return
+    rows = {
+        "output": summary["output"],
+        "layers compressed": len(summary["layers"]),
+        "decoder blocks": summary["blocks"],
+        "time": f"{summary['seconds']:.1f} s",
+        "peak memory (RSS)": human_bytes(summary["peak_rss_bytes"]),
+        "input size": human_bytes(summary["input_bytes"]),
+        "output size": human_bytes(summary["output_bytes"]),
+    }
+    if summary["peak_device_bytes"] is not None:
+        rows["peak device memory"] = human_bytes(summary["peak_device_bytes"])
+    if result.evaluation is not None:
+        ev = result.evaluation
+        rows["perplexity (original)"] = f"{ev.perplexity:.4f} ({ev.ref_perplexity:.4f})"
+        rows["mean KLD vs original"] = f"{ev.kld:.5f}"
+    console.print(key_value_table("summary", rows))
+
+
+@app.command()
+@user_errors
+def quantize(
+    model: Path = typer.Argument(..., help="Local Hugging Face checkpoint directory."),
+    output: Path = typer.Option(..., "-o", "--output", help="Output directory (written atomically)."),
+    method: str = typer.Option("rtn", "--method", help="Quantization method (see `compress methods`)."),
+    bits: int = typer.Option(4, "--bits", help="Weight bit width, 2 to 8."),
+    group_size: int = typer.Option(128, "--group-size", help="Columns per scale group; -1 for per channel."),
+    symmetric: bool = typer.Option(True, "--sym/--asym", help="Symmetric or asymmetric grid."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text: file, folder or saved dataset."),
+    samples: int = typer.Option(128, "--samples", help="Calibration samples."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration sample."),
+    include: list[str] = typer.Option([], "--include", help="Regex of layer names to compress (replaces the default: all block linears)."),
+    exclude: list[str] = typer.Option([], "--exclude", help="Regex of layer names to leave alone."),
+    eval_text: Optional[Path] = typer.Option(None, "--eval-text", help="Afterwards, measure ppl and KLD vs the input on this text."),
+    device: str = DEVICE_OPT,
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the checkpoint's own model code."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Quantize a model's decoder-block linear layers and write a new checkpoint."""
+    data: dict[str, Any] = {
+        "model": model,
+        "stages": [{"method": method, "bits": bits, "group_size": group_size, "symmetric": symmetric, "include": include, "exclude": exclude}],
+        "output": {"path": output, "overwrite": overwrite},
+        "device": device,
+        "trust_remote_code": trust_remote_code,
+    }
+    if calib is not None:
+        data["calibration"] = {"path": calib, "samples": samples, "seq_len": seq_len}
+    if eval_text is not None:
+        data["evaluation"] = {"text": eval_text}
+    _run(data, "command line", as_json)
+
+
+@app.command()
+@user_errors
+def run(recipe: Path = typer.Argument(..., help="YAML recipe."), as_json: bool = JSON_OPT) -> None:
+    """Run the work described in a YAML recipe."""
+    from compress.recipe import load_recipe
+
+    _execute(load_recipe(recipe), as_json)
+
+
+@eval_app.command("ppl")
+@user_errors
+def eval_ppl(
+    model: Path = typer.Argument(..., help="Checkpoint directory to evaluate."),
+    text: Path = typer.Option(..., "--text", help="UTF-8 text file."),
+    ctx: int = typer.Option(512, "--ctx", help="Window length in tokens."),
+    stride: Optional[int] = typer.Option(None, "--stride", help="Window stride (default: ctx)."),
+    reference: Optional[Path] = typer.Option(None, "--reference", help="Unquantized model: also report mean KLD from it."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Windows per forward pass."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Evaluate only the first N tokens."),
+    device: str = DEVICE_OPT,
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Sliding-window perplexity (and KLD against a reference model)."""
+    from compress.evaluation import evaluate_checkpoint
+
+    with progress_bars(not as_json) as progress:
+        result = evaluate_checkpoint(
+            model, text, ctx, stride, batch_size, reference, device, max_tokens, lambda d, t: progress("evaluation", d, t)
+        )
+    data = {"model": str(model), "text": str(text), "ctx": ctx, "stride": stride or ctx, **result.to_dict()}
+    if as_json:
+        print_json(data)
+        return
+    rows = {
+        "perplexity": f"{result.perplexity:.4f}",
+        "tokens scored": result.tokens_scored,
+        "tokens/s": f"{result.tokens_per_second:.0f}",
+    }
+    if result.kld is not None:
+        rows["reference perplexity"] = f"{result.ref_perplexity:.4f}"
+        rows["mean KLD vs reference"] = f"{result.kld:.6f}"
+        rows["KLD 99th percentile"] = f"{result.kld_p99:.6f}"
+    stdout.print(key_value_table(f"{model} on {text.name}", rows))
+
+
+@app.command()
+@user_errors
+def inspect(
+    model: Path = typer.Argument(..., help="Checkpoint directory."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Architecture, decoder blocks, quantizable layers, size, and compression already present."""
+    from compress.inspection import inspect_model
+
+    info = inspect_model(model, trust_remote_code)
+    if as_json:
+        print_json(info)
+        return
+    blocks = info["decoder_blocks"]
+    stdout.print(
+        key_value_table(
+            str(model),
+            {
+                "architecture": f"{info['architecture']} ({info['model_type']})",
+                "decoder blocks": f"{blocks['count']} × {blocks['class']} at {blocks['path']}",
+                "quantizable layers": info["quantizable_layers"],
+                "parameters": f"{info['parameters']:,}",
+                "size on disk": human_bytes(info["size_on_disk_bytes"]),
+                "weight files": ", ".join(info["weight_files"]),
+                "compression": _describe_compression(info),
+            },
+        )
+    )
+    table = Table(title=f"linear layers in each of the {blocks['count']} blocks", title_justify="left")
+    for col in ("layer", "type", "out × in"):
+        table.add_column(col)
+    for layer in info["layers_per_block"]:
+        table.add_row(layer["name"], layer["type"], " × ".join(map(str, layer["shape"])))
+    for layer in info["other_linear_layers"]:
+        table.add_row(f"{layer['name']} (outside blocks, not compressed by default)", "", " × ".join(map(str, layer["shape"])))
+    stdout.print(table)
+
+
+def _describe_compression(info: dict[str, Any]) -> str:
+    record, qc = info.get("compression"), info.get("quantization_config")
+    if record:
+        stages = "; ".join(
+            " ".join(f"{k}={v}" for k, v in s.items() if k not in ("include", "exclude")) for s in record.get("stages", [])
+        )
+        return f"{record.get('format', '')} by {record.get('tool', '?')} {record.get('tool_version', '')}: {stages}"
+    if qc:
+        return f"quantization_config: {qc.get('quant_method', '?')}"
+    return "none recorded"
+
+
+@app.command()
+def methods() -> None:
+    """List the registered methods and their settings."""
+    from compress.registry import method_class, method_names
+
+    table = Table(title="methods", title_justify="left")
+    table.add_column("method")
+    table.add_column("settings (default)")
+    for name in method_names():
+        cfg = method_class(name).Config
+        table.add_row(name, ", ".join(f"{k}={f.default}" for k, f in cfg.model_fields.items()))
+    stdout.print(table)
+
+
+@app.command("reference-model")
+@user_errors
+def reference_model(
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the trained checkpoint."),
+    corpus: Path = typer.Option(Path("../shared/corpus/shakespeare/train.txt"), "--corpus", help="Training text."),
+    steps: int = typer.Option(2000, "--steps", help="Training steps (batch 8 × 512 tokens)."),
+    overwrite: bool = typer.Option(False, "--overwrite"),
+) -> None:
+    """Train the small reference Llama (deterministic, CPU) that quality tests measure against."""
+    from compress.errors import CompressError
+    from compress.eval.reference_model import ReferenceModelConfig, train_reference_model
+    from compress.output import OutputDir
+
+    if not corpus.is_file():
+        raise CompressError(f"training text {corpus} does not exist: pass --corpus PATH (shakespeare/train.txt)")
+    with OutputDir(output, overwrite) as tmp, progress_bars() as progress:
+        cfg = ReferenceModelConfig(steps=steps)
+        summary = train_reference_model(corpus, tmp, cfg, on_step=lambda s, loss: progress("training", s + 1, steps))
+    console.print(key_value_table("reference model", {"output": output, **{k: v for k, v in summary.items() if k != "config"}}))
+
+
+@app.callback(invoke_without_command=True)
+def _root(version: bool = typer.Option(False, "--version", help="Show the version and exit.")) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if version:
+        stdout.print(f"llm-compress {__version__}")
+        raise typer.Exit()
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

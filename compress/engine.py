@@ -1,0 +1,230 @@
+"""The layer-by-layer engine every calibration method runs on.
+
+1. Capture the inputs of decoder block 0 for the calibration samples (hidden states and whatever
+   extra arguments the architecture passes: attention mask, position ids/embeddings), by running the
+   model's base with only its non-block weights materialized and stopping at block 0.
+2. For each block: materialize it on the compute device; for each stage, collect the statistics the
+   stage's method needs with hooks on the selected layers, then let the method transform the block;
+   recompute the block's outputs with the transformed weights, which become the next block's inputs;
+   write the block to the output and release it.
+3. Copy (or, for methods needing no statistics, transform) the tensors outside the blocks.
+
+Only one block's weights are in compute memory at a time. The engine never tests a method's name.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from compress.checkpoint import ShardedWriter
+from compress.errors import CompressError
+from compress.methods.base import LayerReport, Method
+from compress.model_io import ModelHandle, get_weight, set_weight
+from compress.statistics import StatsCollector
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
+
+
+@dataclass
+class Stage:
+    """One method applied to a selection of layers (full names)."""
+
+    method: Method
+    layers: dict[str, nn.Module]
+
+
+@dataclass
+class EngineResult:
+    layers: list[LayerReport] = field(default_factory=list)
+    blocks: int = 0
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    peak_device_bytes: int | None = None
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _InputCatcher(nn.Module):
+    """Stands in for block 0: records its call and stops the forward pass."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.calls: list[tuple[tuple, dict[str, Any]]] = []
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # models may read attributes of their layers (e.g. attention type)
+            return getattr(self.inner, name)
+
+    def forward(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        raise _StopForward
+
+
+def _split_hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict]:
+    if args:
+        return args[0], args[1:], kwargs
+    kwargs = dict(kwargs)
+    return kwargs.pop("hidden_states"), (), kwargs
+
+
+def _block_output(out) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Engine:
+    def __init__(
+        self,
+        handle: ModelHandle,
+        stages: list[Stage],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        batch_size: int = 8,
+        progress: ProgressFn | None = None,
+    ):
+        self.handle = handle
+        self.stages = stages
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.batch_size = batch_size
+        self.progress = progress or (lambda phase, done, total: None)
+        self.needs_data = any(stage.method.needs for stage in stages)
+        self._block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
+
+    def check(self, calibration: torch.Tensor | None) -> None:
+        """Validate every stage against every selected layer before any work starts."""
+        for stage in self.stages:
+            if not stage.layers:
+                raise CompressError(f"method {stage.method.name} selects no layers: check the include/exclude patterns")
+            for name, module in stage.layers.items():
+                out_features, in_features = get_weight(module).shape
+                stage.method.check_layer(name, out_features, in_features)
+            if stage.method.needs:
+                outside = [n for n in stage.layers if not n.startswith(tuple(b + "." for b in self._block_names))]
+                if outside:
+                    raise CompressError(
+                        f"method {stage.method.name} needs calibration statistics, collected inside decoder blocks "
+                        f"only; exclude {outside[0]}"
+                    )
+        if self.needs_data and calibration is None:
+            names = ", ".join(s.method.name for s in self.stages if s.method.needs)
+            raise CompressError(f"method {names} needs calibration data: pass --calib PATH")
+
+    # -- 1. inputs of block 0 -------------------------------------------------------------------
+    def capture_inputs(self, calibration: torch.Tensor) -> list[tuple[torch.Tensor, tuple, dict]]:
+        handle, base = self.handle, self.handle.base_model
+        outer = set(handle.non_block_parameters(base))
+        # Materialize the base model's weights outside the blocks (embeddings, positions, norms).
+        handle.materialize(base, handle.base_prefix, self.device, self.dtype, only=outer)
+        catcher = _InputCatcher(handle.blocks[0])
+        handle.blocks[0] = catcher
+        inputs = []
+        batches = calibration.split(self.batch_size)
+        try:
+            with torch.inference_mode():
+                for i, batch in enumerate(batches):
+                    try:
+                        base(input_ids=batch.to(self.device), use_cache=False)
+                    except _StopForward:
+                        pass
+                    args, kwargs = catcher.calls.pop()
+                    inputs.append(_split_hidden(args, kwargs))
+                    self.progress("calibration", i + 1, len(batches))
+        finally:
+            handle.blocks[0] = catcher.inner
+            handle.release(base, only=outer)
+        return inputs
+
+    # -- 2. blocks --------------------------------------------------------------------------------
+    def _run_block(self, block: nn.Module, inputs) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return [_block_output(block(h, *args, **kwargs)) for h, args, kwargs in inputs]
+
+    def _compress_block(self, index: int, inputs) -> list[LayerReport]:
+        block, block_name = self.handle.blocks[index], self._block_names[index]
+        reports = []
+        for stage in self.stages:
+            layers = {n: m for n, m in stage.layers.items() if n.startswith(block_name + ".")}
+            if not layers:
+                continue
+            with StatsCollector(layers, stage.method.needs) as collector:
+                if stage.method.needs:
+                    self._run_block(block, inputs)
+            reports += stage.method.transform_block(block, layers, collector.results())
+        return reports
+
+    def run(self, writer: ShardedWriter, calibration: torch.Tensor | None = None) -> EngineResult:
+        self.check(calibration)
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        result = EngineResult()
+        inputs = self.capture_inputs(calibration) if self.needs_data else []
+        blocks = self.handle.blocks
+        for i in range(len(blocks)):
+            block, name = blocks[i], self._block_names[i]
+            original = self.handle.materialize(block, name, self.device, self.dtype)
+            result.layers += self._compress_block(i, inputs)
+            if self.needs_data and i + 1 < len(blocks):
+                outputs = self._run_block(block, inputs)
+                inputs = [(out, args, kwargs) for out, (_, args, kwargs) in zip(outputs, inputs)]
+            self._write_block(writer, name, block, original)
+            self.handle.release(block)
+            self.progress("blocks", i + 1, len(blocks))
+        self._write_outer(writer)
+        result.blocks = len(blocks)
+        result.seconds = time.perf_counter() - start
+        result.peak_rss_bytes = peak_rss_bytes()
+        if self.device.type == "cuda":
+            result.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
+        return result
+
+    def _write_block(self, writer: ShardedWriter, name: str, block: nn.Module, dtypes: dict[str, torch.dtype]) -> None:
+        for n, p in block.named_parameters():
+            writer.add(f"{name}.{n}", p.detach().to(dtypes[n]))
+
+    # -- 3. everything outside the blocks ---------------------------------------------------------
+    def _write_outer(self, writer: ShardedWriter) -> None:
+        handle = self.handle
+        in_blocks = tuple(b + "." for b in self._block_names)
+        outer_layers = {
+            f"{n}.weight": (stage.method, n, m)
+            for stage in self.stages
+            for n, m in stage.layers.items()
+            if not n.startswith(in_blocks)
+        }
+        tied = handle.tied_parameter_names()
+        for name, _ in handle.model.named_parameters(remove_duplicate=False):
+            if name.startswith(in_blocks) or name in tied:
+                continue  # blocks are written as they finish; tied copies are re-tied at load
+            tensor = handle.reader.get(handle.checkpoint_key(name))
+            if name in outer_layers:
+                tensor = self._transform_outer(*outer_layers[name], tensor)
+            writer.add(name, tensor)
+
+    def _transform_outer(self, method: Method, name: str, module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
+        # Methods without statistics (checked in `check`): transform a materialized copy of the layer.
+        module_params = {n: p for n, p in module.named_parameters()}
+        module._parameters["weight"] = nn.Parameter(tensor.to(self.device, self.dtype), requires_grad=False)
+        try:
+            method.transform_block(module, {name: module}, {})
+            return module.weight.detach().to(tensor.dtype)
+        finally:
+            module._parameters["weight"] = module_params["weight"]

@@ -1,0 +1,77 @@
+"""Perplexity and KLD of checkpoints on a text file: model and tokenizer loading around `evaluate`."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from compress.errors import CompressError
+from compress.eval.perplexity import EvalResult, evaluate
+from compress.model_io import validate_model_dir
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CompressError("--device cuda was asked for but no CUDA device is available: use --device cpu")
+    return torch.device(name)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CompressError(f"cannot load a tokenizer from {path} ({first}): copy the tokenizer files into it") from None
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+    """A whole checkpoint for evaluation, in ``dtype`` on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    validate_model_dir(path)
+    from compress.checkpoint import CheckpointReader
+
+    CheckpointReader(path)  # validates weight files (truncation) with a clear error
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    return model.to(device).eval()
+
+
+def read_eval_text(path: Path) -> str:
+    if not path.is_file():
+        raise CompressError(f"evaluation text {path} does not exist: give a UTF-8 text file")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise CompressError(f"evaluation text {path} is empty: give a text file with at least ctx tokens")
+    return text
+
+
+def evaluate_checkpoint(
+    model_path: Path,
+    text_path: Path,
+    ctx: int = 512,
+    stride: int | None = None,
+    batch_size: int = 8,
+    reference_path: Path | None = None,
+    device: str = "cpu",
+    max_tokens: int | None = None,
+    on_batch: Callable[[int, int], None] | None = None,
+) -> EvalResult:
+    """Perplexity of ``model_path`` on ``text_path`` (and KLD from ``reference_path``'s predictions)."""
+    dev = resolve_device(device)
+    tokenizer = load_tokenizer(model_path)
+    ids = tokenizer(read_eval_text(text_path), add_special_tokens=False, verbose=False)["input_ids"]
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    tokens = torch.tensor(ids, dtype=torch.long)
+    model = load_model(model_path, dev)
+    reference = load_model(reference_path, dev) if reference_path is not None else None
+    if reference is not None and load_tokenizer(reference_path).get_vocab() != tokenizer.get_vocab():
+        raise CompressError(f"{model_path} and {reference_path} have different tokenizers: KLD needs the same one")
+    return evaluate(model, tokens, ctx=ctx, stride=stride, batch_size=batch_size, reference=reference, device=dev, on_batch=on_batch)

@@ -1,0 +1,110 @@
+"""Run a `Recipe`: the one code path behind `compress run` and every compressing CLI command."""
+
+from __future__ import annotations
+
+import datetime as dt
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from compress import __version__
+from compress.calibration import load_calibration
+from compress.checkpoint import ShardedWriter
+from compress.engine import Engine, EngineResult, ProgressFn, Stage
+from compress.errors import CompressError
+from compress.eval.perplexity import EvalResult
+from compress.evaluation import evaluate_checkpoint, load_tokenizer, resolve_device
+from compress.model_io import open_model, quantizable_layers
+from compress.output import OutputDir, copy_side_files, dir_size, write_config, write_model_card
+from compress.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    output: Path
+    engine: EngineResult
+    input_bytes: int
+    output_bytes: int
+    evaluation: EvalResult | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        layers = [asdict(r) for r in self.engine.layers]
+        return {
+            "output": str(self.output),
+            "layers": layers,
+            "blocks": self.engine.blocks,
+            "seconds": round(self.engine.seconds, 3),
+            "peak_rss_bytes": self.engine.peak_rss_bytes,
+            "peak_device_bytes": self.engine.peak_device_bytes,
+            "input_bytes": self.input_bytes,
+            "output_bytes": self.output_bytes,
+            "evaluation": self.evaluation.to_dict() if self.evaluation else None,
+        }
+
+
+def _record(recipe: Recipe, command: str | None) -> dict[str, Any]:
+    stages = []
+    for spec, method in zip(recipe.stages, recipe.methods()):
+        entry = method.record()
+        if spec.include:
+            entry["include"] = spec.include
+        if spec.exclude:
+            entry["exclude"] = spec.exclude
+        stages.append(entry)
+    cal = recipe.calibration
+    return {
+        "tool": "llm-compress",
+        "tool_version": __version__,
+        "source_model": str(recipe.model),
+        "format": "fake-quant",
+        "stages": stages,
+        "calibration": cal.model_dump(mode="json") if cal else None,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **({"command": command} if command else {}),
+    }
+
+
+def run_recipe(recipe: Recipe, progress: ProgressFn | None = None, command: str | None = None) -> RunResult:
+    """Compress ``recipe.model`` as described and write ``recipe.output.path`` atomically."""
+    device = resolve_device(recipe.device.value)
+    handle = open_model(recipe.model, recipe.trust_remote_code)
+    output = OutputDir(recipe.output.path, recipe.output.overwrite, protect=recipe.model)
+    block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
+    stages = [
+        Stage(method, quantizable_layers(handle.model, block_names, spec.include, spec.exclude))
+        for spec, method in zip(recipe.stages, recipe.methods())
+    ]
+    cal = recipe.calibration
+    engine = Engine(handle, stages, device, batch_size=cal.batch_size if cal else 8, progress=progress)
+    calibration = None
+    if engine.needs_data:
+        if cal is None:
+            engine.check(None)  # raises: names the method and the missing --calib
+        calibration = load_calibration(cal.path, load_tokenizer(recipe.model), cal.samples, cal.seq_len, cal.seed)
+    engine.check(calibration)
+
+    with output as tmp:
+        writer = ShardedWriter(tmp, recipe.output.shard_size_mb << 20)
+        result = engine.run(writer, calibration)
+        writer.close()
+        copy_side_files(recipe.model, tmp)
+        record = _record(recipe, command)
+        write_config(recipe.model, tmp, record)
+        evaluation = None
+        figures: dict[str, Any] = {}
+        if recipe.evaluation is not None:
+            ev = recipe.evaluation
+            on_batch = (lambda d, t: progress("evaluation", d, t)) if progress else None
+            evaluation = evaluate_checkpoint(
+                tmp, ev.text, ev.ctx, ev.stride, ev.batch_size, recipe.model, recipe.device.value, ev.max_tokens, on_batch
+            )
+            figures = {
+                f"perplexity on `{ev.text.name}` (ctx {ev.ctx})": f"{evaluation.perplexity:.4f}",
+                "original model's perplexity": f"{evaluation.ref_perplexity:.4f}",
+                "mean KLD vs original": f"{evaluation.kld:.5f}",
+            }
+        write_model_card(tmp, record, figures)
+    return RunResult(recipe.output.path, result, handle.reader.total_bytes(), dir_size(recipe.output.path), evaluation)

@@ -1,0 +1,1 @@
+"""Temperature-scaled knowledge distillation into a smaller student."""

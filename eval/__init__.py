@@ -1,0 +1,1 @@
+"""Evaluation: perplexity and KL divergence against a reference, the reference model, reports."""

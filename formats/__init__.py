@@ -1,0 +1,1 @@
+"""On-disk codecs: packed safetensors layouts, GGUF, bit packing."""

@@ -1,0 +1,1 @@
+"""Dequant (and dequant-GEMM) kernels with a torch reference for each."""

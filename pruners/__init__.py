@@ -1,0 +1,1 @@
+"""Pruning algorithms (magnitude, SparseGPT, Wanda), unstructured and N:M masks."""

@@ -1,0 +1,1 @@
+"""Quantization algorithms: pure functions on one layer's weight and statistics."""

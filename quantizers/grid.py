@@ -1,0 +1,113 @@
+"""The uniform integer quantization grid every quantizer shares.
+
+A weight ``W`` of shape ``[out_features, in_features]`` is split along ``in_features`` into groups of
+``group_size`` columns (``-1``: one group per row, i.e. per output channel). Each (row, group) gets a
+scale ``s`` and a zero point ``z``; codes are unsigned integers ``q`` in ``[0, 2**bits - 1]`` and
+
+    W ≈ s · (q − z)
+
+- asymmetric: the range ``[min(w, 0), max(w, 0)]`` maps onto the full code range, ``z = round(−min / s)``.
+- symmetric: ``s = max|w| / ((2**bits − 1) / 2)`` and ``z = 2**(bits − 1)``, so the signed codes
+  ``q − z`` lie in ``[−2**(bits−1), 2**(bits−1) − 1]``. This is the convention of both AutoGPTQ (stored
+  zero 8 for 4 bit) and compressed-tensors (signed int4 with zero point 0), so either format stores our
+  codes without re-rounding.
+
+Shapes: ``scale`` and ``zero`` are ``[out_features, n_groups]``; codes have the weight's shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+MIN_BITS, MAX_BITS = 2, 8
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """How one layer's weight is quantized: bit width, symmetry and grouping."""
+
+    bits: int = 4
+    symmetric: bool = True
+    group_size: int = 128  # -1: per output channel
+
+    def __post_init__(self) -> None:
+        if not MIN_BITS <= self.bits <= MAX_BITS:
+            raise ValueError(f"bits must be between {MIN_BITS} and {MAX_BITS}, got {self.bits}")
+        if self.group_size != -1 and self.group_size < 1:
+            raise ValueError(f"group_size must be -1 (per channel) or positive, got {self.group_size}")
+
+    @property
+    def max_code(self) -> int:
+        return (1 << self.bits) - 1
+
+    def groups(self, in_features: int) -> int:
+        """Number of groups along in_features; raises if the group size does not divide it."""
+        if self.group_size == -1:
+            return 1
+        if in_features % self.group_size:
+            raise ValueError(
+                f"group size {self.group_size} does not divide in_features {in_features}"
+            )
+        return in_features // self.group_size
+
+    def group_width(self, in_features: int) -> int:
+        return in_features if self.group_size == -1 else self.group_size
+
+
+def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """View ``[out, in]`` as ``[out, n_groups, group_width]``."""
+    out_features, in_features = w.shape
+    return w.reshape(out_features, scheme.groups(in_features), scheme.group_width(in_features))
+
+
+def compute_qparams(
+    w: torch.Tensor, scheme: QuantScheme, shrink: float | torch.Tensor = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Min-max scale and zero point per (row, group), in float32: each ``[out, n_groups]``.
+
+    ``shrink`` (<= 1) narrows the range before computing the scale: the clipping searches of
+    GPTQ's MSE grid and AWQ use it.
+    """
+    g = _grouped(w.float(), scheme)
+    if scheme.symmetric:
+        absmax = g.abs().amax(dim=-1) * shrink
+        scale = absmax / (scheme.max_code / 2)
+        zero = torch.full_like(scale, float(1 << (scheme.bits - 1)))
+    else:
+        lo = g.amin(dim=-1).clamp(max=0) * shrink
+        hi = g.amax(dim=-1).clamp(min=0) * shrink
+        scale = (hi - lo) / scheme.max_code
+        zero = torch.round(-lo / torch.where(scale > 0, scale, 1.0)).clamp(0, scheme.max_code)
+    # An all-zero group: any positive scale reproduces it exactly (q == z).
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    return scale, zero
+
+
+def _expand(p: torch.Tensor, in_features: int, scheme: QuantScheme) -> torch.Tensor:
+    """Repeat per-group parameters ``[out, n_groups]`` to per-column ``[out, in]``."""
+    return p.repeat_interleave(scheme.group_width(in_features), dim=1)
+
+
+def quantize(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme
+) -> torch.Tensor:
+    """Integer codes (int32, in ``[0, max_code]``) of ``w`` on the given grid."""
+    n = w.shape[1]
+    q = torch.round(w.float() / _expand(scale, n, scheme)) + _expand(zero, n, scheme)
+    return q.clamp_(0, scheme.max_code).to(torch.int32)
+
+
+def dequantize(
+    q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme
+) -> torch.Tensor:
+    """Float32 weight ``s · (q − z)`` from codes and per-group parameters."""
+    n = q.shape[1]
+    return (q.float() - _expand(zero, n, scheme)) * _expand(scale, n, scheme)
+
+
+def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
+    """Round ``w`` to its own min-max grid and return the dequantized float32 weight."""
+    scale, zero = compute_qparams(w, scheme)
+    return dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme)

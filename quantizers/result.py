@@ -1,0 +1,26 @@
+"""What every weight quantizer returns for one layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from compress.quantizers.grid import QuantScheme
+
+
+@dataclass
+class QuantResult:
+    """A quantized layer: codes and grid (for packing) plus the dequantized weight (for fake-quant).
+
+    Shapes: ``weight`` and ``codes`` ``[out, in]``; ``scale`` and ``zero`` ``[out, n_groups]``;
+    ``g_idx`` ``[in]`` maps each input column to its group (``None``: column // group_size).
+    """
+
+    weight: torch.Tensor
+    codes: torch.Tensor
+    scale: torch.Tensor
+    zero: torch.Tensor
+    scheme: QuantScheme
+    g_idx: torch.Tensor | None = None
+    stats: dict[str, float] = field(default_factory=dict)
