@@ -26,7 +26,7 @@ from torch import nn
 from compress.checkpoint import ShardedWriter
 from compress.errors import CompressError
 from compress.methods.base import LayerReport, Method
-from compress.model_io import ModelHandle, get_weight, set_weight
+from compress.model_io import ModelHandle, get_weight
 from compress.statistics import StatsCollector
 
 log = logging.getLogger(__name__)

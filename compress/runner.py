@@ -12,7 +12,6 @@ from compress import __version__
 from compress.calibration import load_calibration
 from compress.checkpoint import ShardedWriter
 from compress.engine import Engine, EngineResult, ProgressFn, Stage
-from compress.errors import CompressError
 from compress.eval.perplexity import EvalResult
 from compress.evaluation import evaluate_checkpoint, load_tokenizer, resolve_device
 from compress.model_io import open_model, quantizable_layers

@@ -10,16 +10,9 @@ import pytest
 import torch
 
 from compress.calibration import load_calibration, load_calibration_text, sample_calibration
-from compress.errors import CompressError
+from references import one_line_error
 
 
-def _raises(fn, *args, **kwargs) -> str:
-    """Call fn, require a CompressError with a one-line message, and return the message."""
-    with pytest.raises(CompressError) as info:
-        fn(*args, **kwargs)
-    msg = str(info.value)
-    assert msg and "\n" not in msg, repr(msg)
-    return msg
 
 
 def _write_jsonl(path: Path, texts: list[str]) -> Path:
@@ -169,13 +162,13 @@ def test_long_text_does_not_warn_about_model_max_length(tiny_tokenizer, calib_te
 
 def test_missing_path(tmp_path):
     p = tmp_path / "nope.txt"
-    msg = _raises(load_calibration_text, p)
+    msg = one_line_error(load_calibration_text, p)
     assert str(p) in msg and "does not exist" in msg
 
 
 def test_folder_without_usable_files(tmp_path):
     (tmp_path / "README.md").write_text("not calibration", encoding="utf-8")
-    msg = _raises(load_calibration_text, tmp_path)
+    msg = one_line_error(load_calibration_text, tmp_path)
     assert str(tmp_path) in msg
     assert all(kind in msg for kind in (".txt", ".jsonl", ".parquet"))
 
@@ -183,20 +176,20 @@ def test_folder_without_usable_files(tmp_path):
 def test_jsonl_bad_json_names_file_and_line(tmp_path):
     p = tmp_path / "c.jsonl"
     p.write_text('{"text": "ok"}\n{"text": broken\n', encoding="utf-8")
-    assert f"{p}:2" in _raises(load_calibration_text, p)
+    assert f"{p}:2" in one_line_error(load_calibration_text, p)
 
 
 @pytest.mark.parametrize("line", ['{"content": "x"}', '["text"]', '{"text": null}'])
 def test_jsonl_line_without_text_names_file_and_line(tmp_path, line):
     p = tmp_path / "c.jsonl"
     p.write_text('{"text": "ok"}\n\n' + line + "\n", encoding="utf-8")
-    msg = _raises(load_calibration_text, p)
+    msg = one_line_error(load_calibration_text, p)
     assert f"{p}:3" in msg and '"text"' in msg
 
 
 def test_parquet_without_text_lists_columns(tmp_path):
     p = _write_parquet(tmp_path / "c.parquet", {"content": ["x"], "idx": [0]})
-    msg = _raises(load_calibration_text, p)
+    msg = one_line_error(load_calibration_text, p)
     assert str(p) in msg and "content" in msg and "idx" in msg
 
 
@@ -204,29 +197,29 @@ def test_dataset_without_text_lists_columns(tmp_path):
     import datasets
 
     datasets.Dataset.from_dict({"body": ["x"], "label": [1]}).save_to_disk(str(tmp_path / "ds"))
-    msg = _raises(load_calibration_text, tmp_path / "ds")
+    msg = one_line_error(load_calibration_text, tmp_path / "ds")
     assert str(tmp_path / "ds") in msg and "body" in msg and "label" in msg
 
 
 def test_not_utf8(tmp_path):
     p = tmp_path / "c.txt"
     p.write_bytes(b"caf\xe9 latin-1")
-    msg = _raises(load_calibration_text, p)
+    msg = one_line_error(load_calibration_text, p)
     assert str(p) in msg and "UTF-8" in msg
 
 
 def test_empty_text(tmp_path, tiny_tokenizer):
     p = tmp_path / "c.txt"
     p.write_text("  \n\t\n", encoding="utf-8")
-    msg = _raises(load_calibration_text, p)
+    msg = one_line_error(load_calibration_text, p)
     assert str(p) in msg and "empty" in msg
-    msg = _raises(load_calibration, p, tiny_tokenizer, samples=4, seq_len=32)
+    msg = one_line_error(load_calibration, p, tiny_tokenizer, samples=4, seq_len=32)
     assert "empty" in msg and "128 tokens" in msg
 
 
 def test_empty_jsonl_records(tmp_path):
     p = _write_jsonl(tmp_path / "c.jsonl", ["", ""])
-    assert "empty" in _raises(load_calibration_text, p)
+    assert "empty" in one_line_error(load_calibration_text, p)
 
 
 def test_too_few_tokens_reports_counts(tiny_tokenizer, calib_text):
@@ -234,7 +227,7 @@ def test_too_few_tokens_reports_counts(tiny_tokenizer, calib_text):
     have = len(_stream(tiny_tokenizer, text))
     seq_len = 64
     samples = have // seq_len + 1
-    msg = _raises(sample_calibration, tiny_tokenizer, text, samples, seq_len)
+    msg = one_line_error(sample_calibration, tiny_tokenizer, text, samples, seq_len)
     assert f"{have} tokens" in msg and str(samples * seq_len) in msg
     assert "--samples" in msg and "--seq-len" in msg
 
@@ -242,5 +235,5 @@ def test_too_few_tokens_reports_counts(tiny_tokenizer, calib_text):
 @pytest.mark.parametrize(("samples", "seq_len", "flag"), [(0, 32, "--samples"), (-1, 32, "--samples"),
                                                           (4, 1, "--seq-len"), (4, 0, "--seq-len")])
 def test_invalid_sizes(tiny_tokenizer, samples, seq_len, flag):
-    msg = _raises(sample_calibration, tiny_tokenizer, "some text " * 100, samples, seq_len)
+    msg = one_line_error(sample_calibration, tiny_tokenizer, "some text " * 100, samples, seq_len)
     assert flag in msg and f"got {samples if flag == '--samples' else seq_len}" in msg

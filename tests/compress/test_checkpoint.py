@@ -9,20 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from compress.checkpoint import SAFE_INDEX, SAFE_SINGLE, CheckpointReader, ShardedWriter
-from compress.errors import CompressError
+from references import one_line_error
 from conftest import save_random_model, tiny_llama_config
 
 
-def _raises(fn, *args, **kwargs) -> str:
-    """Call fn, require a CompressError with a one-line message, and return the message."""
-    with pytest.raises(CompressError) as info:
-        fn(*args, **kwargs)
-    msg = str(info.value)
-    assert msg and "\n" not in msg, repr(msg)
-    return msg
 
 
 def _assert_reader_matches(reader: CheckpointReader, expected: dict[str, torch.Tensor]) -> None:
@@ -129,7 +122,7 @@ def test_truncated_data_is_an_error(single_dir, tmp_path):
     path = _copy_single(single_dir, tmp_path / "cut")
     data = path.read_bytes()
     path.write_bytes(data[:-17])
-    msg = _raises(CheckpointReader, tmp_path / "cut")
+    msg = one_line_error(CheckpointReader, tmp_path / "cut")
     assert str(path) in msg
     assert "truncated" in msg
 
@@ -139,21 +132,21 @@ def test_truncated_inside_header_is_an_error(single_dir, tmp_path):
     data = path.read_bytes()
     (header_len,) = struct.unpack("<Q", data[:8])
     path.write_bytes(data[: 8 + header_len // 2])
-    msg = _raises(CheckpointReader, tmp_path / "cut-header")
+    msg = one_line_error(CheckpointReader, tmp_path / "cut-header")
     assert str(path) in msg
     assert "truncated" in msg
 
 
 def test_three_byte_file_is_not_safetensors(tmp_path):
     (tmp_path / SAFE_SINGLE).write_bytes(b"abc")
-    msg = _raises(CheckpointReader, tmp_path)
+    msg = one_line_error(CheckpointReader, tmp_path)
     assert str(tmp_path / SAFE_SINGLE) in msg
     assert "not a safetensors file" in msg
 
 
 def test_empty_file_is_not_safetensors(tmp_path):
     (tmp_path / SAFE_SINGLE).write_bytes(b"")
-    msg = _raises(CheckpointReader, tmp_path)
+    msg = one_line_error(CheckpointReader, tmp_path)
     assert str(tmp_path / SAFE_SINGLE) in msg
     assert "not a safetensors file" in msg
 
@@ -161,7 +154,7 @@ def test_empty_file_is_not_safetensors(tmp_path):
 def test_corrupt_header_json_is_an_error(tmp_path):
     header = b"{not json" + b" " * 7
     (tmp_path / SAFE_SINGLE).write_bytes(struct.pack("<Q", len(header)) + header)
-    msg = _raises(CheckpointReader, tmp_path)
+    msg = one_line_error(CheckpointReader, tmp_path)
     assert str(tmp_path / SAFE_SINGLE) in msg
     assert "corrupt" in msg
 
@@ -169,7 +162,7 @@ def test_corrupt_header_json_is_an_error(tmp_path):
 def test_header_json_not_an_object_is_an_error(tmp_path):
     header = b"[1, 2, 3]       "
     (tmp_path / SAFE_SINGLE).write_bytes(struct.pack("<Q", len(header)) + header)
-    _raises(CheckpointReader, tmp_path)
+    one_line_error(CheckpointReader, tmp_path)
 
 
 def test_index_with_missing_shard(sharded_dir, tmp_path):
@@ -180,34 +173,34 @@ def test_index_with_missing_shard(sharded_dir, tmp_path):
     (broken / SAFE_INDEX).write_text(json.dumps(index))
     for f in shard_files[:-1]:  # leave out the last shard
         (broken / f).write_bytes((sharded_dir / f).read_bytes())
-    msg = _raises(CheckpointReader, broken)
+    msg = one_line_error(CheckpointReader, broken)
     assert shard_files[-1] in msg
     assert "missing" in msg
 
 
 def test_index_without_weight_map(tmp_path):
     (tmp_path / SAFE_INDEX).write_text(json.dumps({"metadata": {}}))
-    msg = _raises(CheckpointReader, tmp_path)
+    msg = one_line_error(CheckpointReader, tmp_path)
     assert SAFE_INDEX in msg
 
 
 def test_directory_without_weights(tmp_path):
     (tmp_path / "config.json").write_text("{}")
-    msg = _raises(CheckpointReader, tmp_path)
+    msg = one_line_error(CheckpointReader, tmp_path)
     assert "no weights" in msg
     assert str(tmp_path) in msg
 
 
 def test_bin_with_pickled_object_is_refused(tmp_path):
     torch.save({"w": torch.zeros(2), "obj": _NotATensor()}, tmp_path / "pytorch_model.bin")
-    msg = _raises(CheckpointReader, tmp_path)
+    msg = one_line_error(CheckpointReader, tmp_path)
     assert "weights_only" in msg
     assert str(tmp_path / "pytorch_model.bin") in msg
 
 
 def test_bin_that_is_not_a_pickle(tmp_path):
     (tmp_path / "pytorch_model.bin").write_bytes(b"definitely not a torch file")
-    _raises(CheckpointReader, tmp_path)
+    one_line_error(CheckpointReader, tmp_path)
 
 
 # -- writing --------------------------------------------------------------------------------------

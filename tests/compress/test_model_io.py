@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from compress.errors import CompressError
+from references import one_line_error
 from compress.model_io import (
     ModelHandle,
     get_weight,
@@ -22,13 +22,6 @@ from compress.model_io import (
 from conftest import save_random_model, tiny_llama_config
 
 
-def _raises(fn, *args, **kwargs) -> str:
-    """Call fn, require a CompressError with a one-line message, and return the message."""
-    with pytest.raises(CompressError) as info:
-        fn(*args, **kwargs)
-    msg = str(info.value)
-    assert msg and "\n" not in msg, repr(msg)
-    return msg
 
 
 def gpt2_config():
@@ -323,7 +316,7 @@ def test_checkpoint_key_with_prefix_added(checkpoints):
 
 def test_checkpoint_key_missing_is_an_error(checkpoints):
     handle = open_model(checkpoints["llama"])
-    msg = _raises(handle.checkpoint_key, "model.layers.9.nothing.weight")
+    msg = one_line_error(handle.checkpoint_key, "model.layers.9.nothing.weight")
     assert "model.layers.9.nothing.weight" in msg
 
 
@@ -340,7 +333,7 @@ def test_tied_parameter_names(checkpoints):
 
 
 def test_missing_path(tmp_path):
-    msg = _raises(open_model, tmp_path / "nope")
+    msg = one_line_error(open_model, tmp_path / "nope")
     assert str(tmp_path / "nope") in msg
     assert "does not exist" in msg
 
@@ -348,43 +341,43 @@ def test_missing_path(tmp_path):
 def test_file_instead_of_dir(tmp_path):
     f = tmp_path / "model.safetensors"
     f.write_bytes(b"x")
-    msg = _raises(open_model, f)
+    msg = one_line_error(open_model, f)
     assert str(f) in msg
     assert "is a file" in msg
 
 
 def test_dir_without_config(tmp_path):
-    msg = _raises(open_model, tmp_path)
+    msg = one_line_error(open_model, tmp_path)
     assert "config.json" in msg
 
 
 def test_invalid_json_config(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "llama",\n  oops}\n')
-    msg = _raises(open_model, tmp_path)
+    msg = one_line_error(open_model, tmp_path)
     assert "config.json" in msg
     assert "not valid JSON" in msg
 
 
 def test_unknown_model_type(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_architecture_xyz"}))
-    msg = _raises(open_model, tmp_path)
+    msg = one_line_error(open_model, tmp_path)
     assert "config.json" in msg
     assert "no_such_architecture_xyz" in msg
 
 
 def test_config_without_weights(checkpoints, tmp_path):
     (tmp_path / "config.json").write_text((checkpoints["llama"] / "config.json").read_text())
-    msg = _raises(open_model, tmp_path)
+    msg = one_line_error(open_model, tmp_path)
     assert "no weights" in msg
 
 
 def test_not_a_causal_lm(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "vit"}))
     save_file({"x": torch.zeros(1)}, str(tmp_path / "model.safetensors"))
-    msg = _raises(open_model, tmp_path)
+    msg = one_line_error(open_model, tmp_path)
     assert "not a causal language model" in msg
 
 
 def test_config_json_null(tmp_path):
     (tmp_path / "config.json").write_text("null")
-    _raises(open_model, tmp_path)
+    one_line_error(open_model, tmp_path)

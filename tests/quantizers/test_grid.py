@@ -18,6 +18,8 @@ from compress.quantizers.grid import (
     quantize,
 )
 
+from references import assert_codes_match, expand_groups, random_weight, reference_grid
+
 BITS = list(range(2, 9))
 GROUP_SIZES = [-1, 32, 128]
 SHAPES = [(8, 256), (5, 128), (3, 64)]
@@ -36,78 +38,13 @@ def _cases():
 CASES = list(_cases())
 
 
-def _weight(shape, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float32)
-
-
-def reference_grid(w: np.ndarray, bits: int, symmetric: bool, group_size: int):
-    """Textbook min-max grid in float64. Returns codes, scale, zero, dequant, and the unrounded w/s."""
-    w = np.asarray(w, dtype=np.float64)
-    rows, cols = w.shape
-    width = cols if group_size == -1 else group_size
-    n_groups = cols // width
-    max_code = 2**bits - 1
-    codes = np.zeros((rows, cols), dtype=np.int64)
-    ratio = np.zeros((rows, cols), dtype=np.float64)
-    deq = np.zeros((rows, cols), dtype=np.float64)
-    scale = np.zeros((rows, n_groups), dtype=np.float64)
-    zero = np.zeros((rows, n_groups), dtype=np.float64)
-    for r in range(rows):
-        for g in range(n_groups):
-            seg = w[r, g * width : (g + 1) * width]
-            if symmetric:
-                s = float(np.max(np.abs(seg))) / (max_code / 2.0)
-                z = float(2 ** (bits - 1))
-            else:
-                lo = min(float(np.min(seg)), 0.0)
-                hi = max(float(np.max(seg)), 0.0)
-                s = (hi - lo) / max_code
-                z = float(min(max(np.rint(-lo / s), 0), max_code)) if s > 0 else 0.0
-            if s == 0:
-                s = 1.0
-            scale[r, g] = s
-            zero[r, g] = z
-            for c in range(width):
-                t = seg[c] / s
-                q = int(min(max(np.rint(t) + z, 0), max_code))
-                codes[r, g * width + c] = q
-                ratio[r, g * width + c] = t
-                deq[r, g * width + c] = s * (q - z)
-    return codes, scale, zero, deq, ratio
-
-
-def _expand_np(p: np.ndarray, cols: int) -> np.ndarray:
-    return np.repeat(p, cols // p.shape[1], axis=1)
-
-
-def assert_codes_match(got: np.ndarray, ref: np.ndarray, ratio: np.ndarray, symmetric: bool, bits: int):
-    """Codes equal the reference except off-by-one at (near) exact .5 rounding ties.
-
-    In the symmetric grid the group's absmax element sits exactly on the tie ±(2**bits - 1)/2 by
-    construction; float32 may land it on either side. Those are counted separately; every other
-    tie-induced mismatch must stay below 0.1% of the codes (plus one).
-    """
-    diff = got.astype(np.int64) - ref
-    bad = diff != 0
-    if not bad.any():
-        return
-    assert np.abs(diff[bad]).max() == 1, "codes differ by more than one step"
-    frac = np.abs(ratio - np.floor(ratio) - 0.5)
-    near_tie = frac < 1e-4
-    assert near_tie[bad].all(), f"mismatching codes away from a rounding tie: {np.argwhere(bad & ~near_tie)[:5]}"
-    endpoint = np.isclose(np.abs(ratio), (2**bits - 1) / 2, rtol=0, atol=1e-4) if symmetric else np.zeros_like(bad)
-    other = (bad & ~endpoint).sum()
-    assert other <= 1 + 0.001 * got.size, f"{other} tie mismatches out of {got.size}"
-
-
 # --------------------------------------------------------------------------------------------------
 # Agreement with the independent reference
 
 
 @pytest.mark.parametrize("bits,sym,gs,shape", CASES)
 def test_grid_matches_reference(bits, sym, gs, shape):
-    w = _weight(shape, seed=bits * 100 + gs % 97 + shape[1])
+    w = random_weight(shape, seed=bits * 100 + gs % 97 + shape[1])
     scheme = QuantScheme(bits=bits, symmetric=sym, group_size=gs)
     ref_q, ref_s, ref_z, ref_deq, ratio = reference_grid(w.numpy(), bits, sym, gs)
 
@@ -125,7 +62,7 @@ def test_grid_matches_reference(bits, sym, gs, shape):
 
     deq = dequantize(codes, scale, zero, scheme)
     assert deq.dtype == torch.float32 and deq.shape == w.shape
-    s_full = _expand_np(ref_s, shape[1])
+    s_full = expand_groups(ref_s, shape[1])
     same = codes.numpy() == ref_q
     d = np.abs(deq.numpy().astype(np.float64) - ref_deq)
     assert (d[same] <= 1e-5 * s_full[same] * 2**bits + 1e-7).all()
@@ -142,7 +79,7 @@ def test_grid_matches_reference(bits, sym, gs, shape):
 
 @pytest.mark.parametrize("bits,sym,gs,shape", CASES)
 def test_codes_in_range_and_error_at_most_half_step(bits, sym, gs, shape):
-    w = _weight(shape, seed=7 + bits)
+    w = random_weight(shape, seed=7 + bits)
     scheme = QuantScheme(bits=bits, symmetric=sym, group_size=gs)
     scale, zero = compute_qparams(w, scheme)
     codes = quantize(w, scale, zero, scheme)
@@ -150,7 +87,7 @@ def test_codes_in_range_and_error_at_most_half_step(bits, sym, gs, shape):
     assert int(codes.min()) >= 0 and int(codes.max()) <= 2**bits - 1
     deq = dequantize(codes, scale, zero, scheme).double()
     err = (w.double() - deq).abs()
-    s_full = _expand_np(scale.double().numpy(), shape[1])
+    s_full = expand_groups(scale.double().numpy(), shape[1])
     # Asymmetric: every weight is within [lo, hi], so within half a step of the grid.
     # Symmetric: the clamped top code (+max|w| -> 2**(b-1)-1) is also exactly half a step away.
     assert (err.numpy() <= 0.5 * s_full * (1 + 1e-4)).all(), float((err.numpy() / s_full).max())
@@ -160,7 +97,7 @@ def test_codes_in_range_and_error_at_most_half_step(bits, sym, gs, shape):
 @pytest.mark.parametrize("gs", GROUP_SIZES)
 def test_symmetric_top_code_clamped(bits, gs):
     shape = (4, 128)
-    w = _weight(shape, seed=3).abs()  # all positive: the absmax element is the group maximum
+    w = random_weight(shape, seed=3).abs()  # all positive: the absmax element is the group maximum
     scheme = QuantScheme(bits=bits, symmetric=True, group_size=gs)
     scale, zero = compute_qparams(w, scheme)
     codes = quantize(w, scale, zero, scheme)
@@ -179,7 +116,7 @@ def test_symmetric_top_code_clamped(bits, gs):
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("bits", BITS)
 def test_zero_exactly_representable(bits, sym):
-    w = _weight((6, 64), seed=11)
+    w = random_weight((6, 64), seed=11)
     w[2] = w[2].abs() + 0.1  # a row whose groups are all positive apart from the zeros
     w[3] = -(w[3].abs() + 0.1)  # ... and one all negative
     w[:, ::5] = 0.0
@@ -193,7 +130,7 @@ def test_zero_exactly_representable(bits, sym):
 @pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("gs", [-1, 32])
 def test_all_zero_group(bits, sym, gs):
-    w = _weight((4, 64), seed=5)
+    w = random_weight((4, 64), seed=5)
     w[1] = 0.0  # whole row: per-channel group and both 32-groups
     w[2, :32] = 0.0  # one group only (for gs=32)
     scheme = QuantScheme(bits=bits, symmetric=sym, group_size=gs)
@@ -213,7 +150,7 @@ def test_all_zero_group(bits, sym, gs):
 @pytest.mark.parametrize("sym", [True, False])
 @pytest.mark.parametrize("gs", GROUP_SIZES)
 def test_more_bits_never_increase_mse(sym, gs):
-    w = _weight((16, 256), seed=21)
+    w = random_weight((16, 256), seed=21)
     mses = []
     for bits in BITS:
         deq = fake_quantize(w, QuantScheme(bits=bits, symmetric=sym, group_size=gs))
@@ -256,12 +193,12 @@ def test_groups_and_width():
 
 def test_non_dividing_group_size_raises_in_qparams():
     with pytest.raises(ValueError):
-        compute_qparams(_weight((2, 100), seed=0), QuantScheme(bits=4, group_size=32))
+        compute_qparams(random_weight((2, 100), seed=0), QuantScheme(bits=4, group_size=32))
 
 
 @pytest.mark.parametrize("gs", GROUP_SIZES)
 def test_symmetric_4bit_signed_codes(gs):
-    w = _weight((8, 256), seed=9) * 3
+    w = random_weight((8, 256), seed=9) * 3
     scheme = QuantScheme(bits=4, symmetric=True, group_size=gs)
     scale, zero = compute_qparams(w, scheme)
     assert (zero == 8).all()
@@ -274,7 +211,7 @@ def test_symmetric_4bit_signed_codes(gs):
 @pytest.mark.parametrize("bits", [2, 4, 8])
 @pytest.mark.parametrize("shrink", [0.5, 0.8, 0.95])
 def test_shrink_narrows_scale(bits, sym, shrink):
-    w = _weight((5, 128), seed=13)
+    w = random_weight((5, 128), seed=13)
     scheme = QuantScheme(bits=bits, symmetric=sym, group_size=32)
     s1, z1 = compute_qparams(w, scheme)
     s2, z2 = compute_qparams(w, scheme, shrink=shrink)
@@ -288,7 +225,7 @@ def test_shrink_narrows_scale(bits, sym, shrink):
 
 
 def test_shrink_per_group_tensor():
-    w = _weight((5, 128), seed=17)
+    w = random_weight((5, 128), seed=17)
     scheme = QuantScheme(bits=4, symmetric=True, group_size=32)
     shrink = torch.linspace(0.5, 1.0, 20).reshape(5, 4)
     s1, _ = compute_qparams(w, scheme)
@@ -297,7 +234,7 @@ def test_shrink_per_group_tensor():
 
 
 def test_quantize_accepts_half_precision():
-    w = _weight((4, 64), seed=23)
+    w = random_weight((4, 64), seed=23)
     scheme = QuantScheme(bits=4, symmetric=False, group_size=32)
     w16 = w.half()
     s, z = compute_qparams(w16, scheme)
