@@ -216,19 +216,32 @@ def reference_model(
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the trained checkpoint."),
     corpus: Path = typer.Option(Path("../shared/corpus/shakespeare/train.txt"), "--corpus", help="Training text."),
     steps: int = typer.Option(2000, "--steps", help="Training steps (batch 8 × 512 tokens)."),
+    eval_text: list[Path] = typer.Option([], "--eval-text", help="Texts whose perplexity goes in the model card."),
     overwrite: bool = typer.Option(False, "--overwrite"),
 ) -> None:
     """Train the small reference Llama (deterministic, CPU) that quality tests measure against."""
+    import torch
+
     from compress.errors import CompressError
-    from compress.eval.reference_model import ReferenceModelConfig, train_reference_model
+    from compress.eval.perplexity import evaluate
+    from compress.eval.reference_model import ReferenceModelConfig, train_reference_model, write_model_card
+    from compress.evaluation import load_model, load_tokenizer, read_eval_text
     from compress.output import OutputDir
 
     if not corpus.is_file():
         raise CompressError(f"training text {corpus} does not exist: pass --corpus PATH (shakespeare/train.txt)")
+    texts = {path: read_eval_text(path) for path in eval_text}
     with OutputDir(output, overwrite) as tmp, progress_bars() as progress:
-        cfg = ReferenceModelConfig(steps=steps)
-        summary = train_reference_model(corpus, tmp, cfg, on_step=lambda s, loss: progress("training", s + 1, steps))
-    console.print(key_value_table("reference model", {"output": output, **{k: v for k, v in summary.items() if k != "config"}}))
+        summary = train_reference_model(corpus, tmp, ReferenceModelConfig(steps=steps), lambda s, _: progress("training", s + 1, steps))
+        model, tokenizer = load_model(tmp, "cpu"), load_tokenizer(tmp)
+        perplexities = {}
+        for path, text in texts.items():
+            ids = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+            perplexities[path.name] = evaluate(model, ids, on_batch=lambda d, t, n=path.name: progress(f"ppl {n}", d, t)).perplexity
+        write_model_card(tmp, summary, perplexities)
+    rows = {"output": output, **{k: v for k, v in summary.items() if k != "config"}}
+    rows.update({f"perplexity {name}": f"{ppl:.3f}" for name, ppl in perplexities.items()})
+    console.print(key_value_table("reference model", rows))
 
 
 @app.callback(invoke_without_command=True)

