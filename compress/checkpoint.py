@@ -10,7 +10,9 @@ would defeat the one-block-at-a-time memory bound. Headers are validated up fron
 is a clear error, not a crash half-way through a run.
 
 Writing: tensors are appended to a `ShardedWriter`, which flushes a shard file whenever the pending
-bytes exceed the shard size, so a finished block leaves memory as soon as it is written.
+bytes exceed the shard size, so a finished block leaves memory as soon as it is written. A shard is
+streamed tensor by tensor (`write_safetensors`) instead of through ``safetensors.torch.save_file``,
+which first copies every tensor to ``bytes`` and so doubled the writer's peak memory.
 """
 
 from __future__ import annotations
@@ -21,8 +23,6 @@ import struct
 from pathlib import Path
 
 import torch
-from safetensors.torch import save_file
-
 from compress.errors import CompressError
 
 # safetensors dtype names (safetensors/src/tensor.rs) -> torch dtypes
@@ -147,10 +147,36 @@ class CheckpointReader:
         return sum(p.stat().st_size for p in self.files)
 
 
+_DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
+
+
+def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
+    """Write a safetensors file, streaming each tensor's bytes without an intermediate copy.
+
+    Layout (huggingface/safetensors README): u64 little-endian header length, a JSON header mapping
+    each name to dtype, shape and [begin, end) data offsets (padded with spaces to a multiple of 8),
+    then the tensors' bytes, row-major, in header order.
+    """
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, t in tensors.items():
+        size = t.numel() * t.element_size()
+        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    with path.open("wb") as f:
+        f.write(struct.pack("<Q", len(encoded)))
+        f.write(encoded)
+        for t in tensors.values():
+            if t.numel():
+                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+
+
 class ShardedWriter:
     """Writes tensors to ``model-XXXXX-of-YYYYY.safetensors`` shards plus an index, streaming."""
 
-    def __init__(self, directory: Path, max_shard_bytes: int = 512 << 20):
+    def __init__(self, directory: Path, max_shard_bytes: int = 256 << 20):
         self.directory = directory
         self.max_shard_bytes = max_shard_bytes
         self._pending: dict[str, torch.Tensor] = {}
@@ -169,8 +195,7 @@ class ShardedWriter:
         if not self._pending:
             return
         path = self.directory / f"shard-{len(self._shards):05d}.tmp"
-        save_file(self._pending, str(path), metadata={"format": "pt"})
-        path.chmod(0o644)  # safetensors creates files private to the owner
+        write_safetensors(path, self._pending, metadata={"format": "pt"})
         self._shards.append((path, list(self._pending)))
         self.total_bytes += self._pending_bytes
         self._pending, self._pending_bytes = {}, 0

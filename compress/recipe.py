@@ -65,7 +65,7 @@ class StageSpec(BaseModel):
 class OutputSpec(_Strict):
     path: Path
     overwrite: bool = False
-    shard_size_mb: int = Field(512, ge=1)
+    shard_size_mb: int = Field(256, ge=1)
 
 
 class EvaluationSpec(_Strict):

@@ -85,26 +85,21 @@ def compute_qparams(
     return scale, zero
 
 
-def _expand(p: torch.Tensor, in_features: int, scheme: QuantScheme) -> torch.Tensor:
-    """Repeat per-group parameters ``[out, n_groups]`` to per-column ``[out, in]``."""
-    return p.repeat_interleave(scheme.group_width(in_features), dim=1)
-
-
 def quantize(
     w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme
 ) -> torch.Tensor:
     """Integer codes (int32, in ``[0, max_code]``) of ``w`` on the given grid."""
-    n = w.shape[1]
-    q = torch.round(w.float() / _expand(scale, n, scheme)) + _expand(zero, n, scheme)
-    return q.clamp_(0, scheme.max_code).to(torch.int32)
+    # Broadcast the [out, n_groups] parameters over the grouped view: no per-column copies.
+    q = torch.round(_grouped(w.float(), scheme) / scale.unsqueeze(-1)).add_(zero.unsqueeze(-1))
+    return q.clamp_(0, scheme.max_code).to(torch.int32).reshape(w.shape)
 
 
 def dequantize(
     q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme
 ) -> torch.Tensor:
     """Float32 weight ``s · (q − z)`` from codes and per-group parameters."""
-    n = q.shape[1]
-    return (q.float() - _expand(zero, n, scheme)) * _expand(scale, n, scheme)
+    g = _grouped(q, scheme).float().sub_(zero.unsqueeze(-1)).mul_(scale.unsqueeze(-1))
+    return g.reshape(q.shape)
 
 
 def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:

@@ -295,3 +295,27 @@ def test_writer_shard_names_are_five_digit(tmp_path):
     index = json.loads((tmp_path / SAFE_INDEX).read_text())
     assert index["weight_map"] == {f"t{i}": finals[i].name for i in range(3)}
     assert index["metadata"]["total_size"] == 3 * 2 * 4
+
+
+def test_write_safetensors_is_read_by_the_safetensors_library(tmp_path):
+    from safetensors import safe_open
+
+    from compress.checkpoint import write_safetensors
+
+    tensors = {
+        "b": torch.randn(3, 5, dtype=torch.bfloat16),
+        "a": torch.arange(7, dtype=torch.int64),
+        "scalar": torch.tensor(2.5),
+        "empty": torch.zeros(0, 4, dtype=torch.float16),
+        "view": torch.randn(6, 4).t(),  # non-contiguous input
+    }
+    path = tmp_path / "x.safetensors"
+    write_safetensors(path, tensors, metadata={"format": "pt"})
+    loaded = load_file(str(path))
+    assert loaded.keys() == tensors.keys()
+    for name, t in tensors.items():
+        assert loaded[name].dtype == t.dtype and torch.equal(loaded[name], t), name
+    with safe_open(str(path), "pt") as f:
+        assert f.metadata() == {"format": "pt"}
+    header_len = int.from_bytes(path.read_bytes()[:8], "little")
+    assert header_len % 8 == 0
