@@ -152,3 +152,15 @@ def test_calibrated_run_from_shipped_calibration_slice(tmp_path, tiny_llama):
     result = invoke("quantize", tiny_llama, "-o", tmp_path / "o", "--group-size", "32",
                     "--calib", CALIB_TEXT, "--samples", "4", "--seq-len", "64")
     assert result.exit_code == 0, result.output
+
+
+def test_reference_model_command_trains_and_writes_card(tmp_path):
+    short_text = tmp_path / "eval.txt"
+    short_text.write_text(EVAL_TEXT.read_text(encoding="utf-8")[:3000], encoding="utf-8")
+    out = tmp_path / "ref"
+    result = invoke("reference-model", "-o", out, "--corpus", CALIB_TEXT, "--steps", "2", "--eval-text", short_text)
+    assert result.exit_code == 0, result.output
+    card = (out / "README.md").read_text()
+    assert "| eval.txt |" in card and "2 steps" in card
+    assert json.loads((out / "training.json").read_text())["config"]["steps"] == 2
+    assert AutoModelForCausalLM.from_pretrained(out).config.num_key_value_heads == 2
