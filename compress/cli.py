@@ -247,9 +247,6 @@ def reference_model(
 @app.callback(invoke_without_command=True)
 def _root(version: bool = typer.Option(False, "--version", help="Show the version and exit.")) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own bars cover loading and evaluation
     if version:
         stdout.print(f"llm-compress {__version__}")
         raise typer.Exit()

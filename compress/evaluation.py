@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from pathlib import Path
 from typing import Callable
@@ -39,8 +40,23 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype = torch.floa
     from compress.checkpoint import CheckpointReader
 
     CheckpointReader(path)  # validates weight files (truncation) with a clear error
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     return model.to(device).eval()
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No transformers progress bar while loading: our callers show their own progress."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
 
 
 def read_eval_text(path: Path) -> str:

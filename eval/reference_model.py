@@ -183,8 +183,14 @@ def write_model_card(out_dir: Path, summary: dict, perplexities: dict[str, float
     ]
     lines += [f"| {name} | {ppl:.3f} |" for name, ppl in perplexities.items()]
     if rtn_figures:
-        lines += ["", "Round-to-nearest (symmetric) on the held-out text, against this model:", "",
-                  "| setting | perplexity | mean KLD |", "| --- | --- | --- |"]
+        lines += [
+            "",
+            "Round-to-nearest (symmetric) against this model on shakespeare/test.txt, from",
+            "`python bench/rtn_quality.py --text ../shared/corpus/shakespeare/test.txt`:",
+            "",
+            "| setting | perplexity | mean KLD |",
+            "| --- | --- | --- |",
+        ]
         lines += [f"| {f['setting']} | {f['perplexity']:.3f} | {f['kld']:.5f} |" for f in rtn_figures]
     lines += [
         "",
