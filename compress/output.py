@@ -75,10 +75,11 @@ def dir_size(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
 
-def write_model_card(dst: Path, record: dict[str, Any], figures: dict[str, Any] | None = None) -> None:
+def write_model_card(dst: Path, title: str, record: dict[str, Any], figures: dict[str, Any] | None = None) -> None:
+    """The output's README.md: source, stages and settings, calibration, figures, the command."""
     stages = record.get("stages", [])
     lines = [
-        f"# {dst.name}",
+        f"# {title}",
         "",
         f"Compressed with llm-compress {record.get('tool_version', '')} from `{record.get('source_model', '')}`.",
         "",

@@ -105,5 +105,5 @@ def run_recipe(recipe: Recipe, progress: ProgressFn | None = None, command: str 
                 "original model's perplexity": f"{evaluation.ref_perplexity:.4f}",
                 "mean KLD vs original": f"{evaluation.kld:.5f}",
             }
-        write_model_card(tmp, record, figures)
+        write_model_card(tmp, recipe.output.path.name, record, figures)
     return RunResult(recipe.output.path, result, handle.reader.total_bytes(), dir_size(recipe.output.path), evaluation)

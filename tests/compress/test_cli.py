@@ -55,7 +55,8 @@ def test_inspect_and_quantize_three_architectures(arch, tmp_path, tiny_tokenizer
     summary = json.loads(result.stdout)
     assert len(summary["layers"]) == info["quantizable_layers"]
     assert summary["evaluation"]["kld"] < 1e-3  # 8-bit barely moves a random model
-    assert (out / "tokenizer.json").is_file() and (out / "README.md").is_file()
+    assert (out / "tokenizer.json").is_file()
+    assert (out / "README.md").read_text().startswith("# out\n")
     config = json.loads((out / "config.json").read_text())
     assert config["compression"]["stages"] == [{"method": "rtn", "bits": 8, "group_size": 32, "symmetric": True}]
     # transformers loads it, and it is close to the original.
