@@ -133,7 +133,7 @@ def test_minimal_recipe_defaults(tmp_path):
     assert recipe.device is Device.cpu
     assert recipe.calibration is None and recipe.evaluation is None
     assert recipe.output.overwrite is False
-    assert recipe.output.shard_size_mb == 512
+    assert recipe.output.shard_size_mb == 256
 
 
 def test_parse_recipe_from_dict():
