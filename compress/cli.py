@@ -12,7 +12,16 @@ import typer
 from rich.table import Table
 
 from compress import __version__
-from compress.console import console, human_bytes, key_value_table, print_json, progress_bars, stdout, user_errors
+from compress.console import (
+    console,
+    human_bytes,
+    key_value_table,
+    layer_line,
+    print_json,
+    progress_bars,
+    stdout,
+    user_errors,
+)
 
 app = typer.Typer(
     name="compress",
@@ -42,7 +51,8 @@ def _execute(recipe, as_json: bool) -> None:
     from compress.runner import run_recipe
 
     with progress_bars(not as_json) as progress:
-        result = run_recipe(recipe, progress, command=_command_line())
+        on_layer = None if as_json else lambda report: console.print(layer_line(report), highlight=False)
+        result = run_recipe(recipe, progress, command=_command_line(), on_layer=on_layer)
     summary = result.to_dict()
     if as_json:
         print_json(summary)
@@ -65,6 +75,20 @@ def _execute(recipe, as_json: bool) -> None:
     console.print(key_value_table("summary", rows))
 
 
+def _parse_options(options: list[str]) -> dict[str, Any]:
+    import yaml
+
+    from compress.errors import CompressError
+
+    parsed = {}
+    for item in options:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CompressError(f"option {item!r} is not KEY=VALUE: write e.g. -O act_order=true")
+        parsed[key.strip()] = yaml.safe_load(value)
+    return parsed
+
+
 @app.command()
 @user_errors
 def quantize(
@@ -79,6 +103,7 @@ def quantize(
     seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration sample."),
     include: list[str] = typer.Option([], "--include", help="Regex of layer names to compress (replaces the default: all block linears)."),
     exclude: list[str] = typer.Option([], "--exclude", help="Regex of layer names to leave alone."),
+    option: list[str] = typer.Option([], "-O", "--option", help="Method setting KEY=VALUE, e.g. -O act_order=true (see `compress methods`)."),
     eval_text: Optional[Path] = typer.Option(None, "--eval-text", help="Afterwards, measure ppl and KLD vs the input on this text."),
     device: str = DEVICE_OPT,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
@@ -86,9 +111,10 @@ def quantize(
     as_json: bool = JSON_OPT,
 ) -> None:
     """Quantize a model's decoder-block linear layers and write a new checkpoint."""
+    stage = {"method": method, "bits": bits, "group_size": group_size, "symmetric": symmetric, "include": include, "exclude": exclude}
     data: dict[str, Any] = {
         "model": model,
-        "stages": [{"method": method, "bits": bits, "group_size": group_size, "symmetric": symmetric, "include": include, "exclude": exclude}],
+        "stages": [{**stage, **_parse_options(option)}],
         "output": {"path": output, "overwrite": overwrite},
         "device": device,
         "trust_remote_code": trust_remote_code,

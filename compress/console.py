@@ -74,6 +74,13 @@ def human_bytes(n: float | None) -> str:
     return str(n)
 
 
+def layer_line(report) -> str:
+    """One finished layer, printed live above the progress bars."""
+    out_features, in_features = report.shape
+    figures = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in report.info.items())
+    return f"  {report.name}  [{out_features}×{in_features}]  {report.seconds:.2f}s  {figures}"
+
+
 def key_value_table(title: str, rows: dict[str, Any]) -> Table:
     table = Table(title=title, show_header=False, title_justify="left")
     table.add_column(style="bold")

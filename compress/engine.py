@@ -32,6 +32,7 @@ from compress.statistics import StatsCollector
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
+LayerFn = Callable[[LayerReport], None]  # called as each layer is finished
 
 
 @dataclass
@@ -98,6 +99,7 @@ class Engine:
         dtype: torch.dtype = torch.float32,
         batch_size: int = 8,
         progress: ProgressFn | None = None,
+        on_layer: LayerFn | None = None,
     ):
         self.handle = handle
         self.stages = stages
@@ -105,6 +107,7 @@ class Engine:
         self.dtype = dtype
         self.batch_size = batch_size
         self.progress = progress or (lambda phase, done, total: None)
+        self.on_layer = on_layer or (lambda report: None)
         self.needs_data = any(stage.method.needs for stage in stages)
         self._block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
         self._in_blocks = tuple(name + "." for name in self._block_names)
@@ -165,11 +168,46 @@ class Engine:
             layers = {n: m for n, m in stage.layers.items() if n.startswith(block_name + ".")}
             if not layers:
                 continue
-            with StatsCollector(layers, stage.method.needs) as collector:
-                if stage.method.needs:
-                    self._run_block(block, inputs)
-            reports += stage.method.transform_block(block, layers, collector.results())
+            sequential = stage.method.sequential and stage.method.needs
+            for group in self._forward_groups(block, layers, inputs[0]) if sequential else [layers]:
+                with StatsCollector(group, stage.method.needs) as collector:
+                    if stage.method.needs:
+                        self._run_block(block, inputs)
+                for report in stage.method.transform_block(block, group, collector.results()):
+                    self.on_layer(report)
+                    reports.append(report)
         return reports
+
+    def _forward_groups(self, block: nn.Module, layers: dict[str, nn.Module], sample) -> list[dict[str, nn.Module]]:
+        """Split ``layers`` into groups in the order the block calls them; layers called in a row on the
+        very same input tensor (q/k/v, gate/up) form one group. Learned by running one batch."""
+        calls: list[tuple[str, torch.Tensor]] = []  # holding the inputs keeps their identities unique
+        hooks = [
+            module.register_forward_pre_hook(
+                lambda _m, args, kwargs, n=name: calls.append((n, args[0] if args else next(iter(kwargs.values())))),
+                with_kwargs=True,
+            )
+            for name, module in layers.items()
+        ]
+        try:
+            self._run_block(block, [sample])
+        finally:
+            for h in hooks:
+                h.remove()
+        groups: list[dict[str, nn.Module]] = []
+        seen: set[str] = set()
+        last_input = None
+        for name, x in calls:
+            if name in seen:
+                continue
+            if groups and x is last_input:
+                groups[-1][name] = layers[name]
+            else:
+                groups.append({name: layers[name]})
+            seen.add(name)
+            last_input = x
+        uncalled = {n: m for n, m in layers.items() if n not in seen}
+        return groups + ([uncalled] if uncalled else [])
 
     def run(self, writer: ShardedWriter, calibration: torch.Tensor | None = None) -> EngineResult:
         self.check(calibration)
@@ -217,7 +255,9 @@ class Engine:
             if name in outer_layers:  # only methods without statistics get here (see `check`)
                 method, layer_name, module = outer_layers[name]
                 stored = handle.materialize(module, layer_name, self.device, self.dtype, only={"weight"})
-                reports += method.transform_block(module, {layer_name: module}, {})
+                for report in method.transform_block(module, {layer_name: module}, {}):
+                    self.on_layer(report)
+                    reports.append(report)
                 writer.add(name, module.weight.detach().to(stored["weight"]))
                 handle.release(module, only={"weight"})
             else:

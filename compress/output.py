@@ -15,7 +15,8 @@ from typing import Any
 from compress.errors import CompressError
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
-NOT_COPIED = {"config.json", "README.md", "model.safetensors.index.json", "pytorch_model.bin.index.json"}
+LAYER_REPORT = "compression_report.json"
+NOT_COPIED = {"config.json", "README.md", "model.safetensors.index.json", "pytorch_model.bin.index.json", LAYER_REPORT}
 
 
 class OutputDir:
@@ -69,6 +70,14 @@ def write_config(src: Path, dst: Path, record: dict[str, Any]) -> None:
         history = history + [{k: v for k, v in config["compression"].items() if k != "history"}]
     config["compression"] = {**record, "history": history} if history else record
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+
+
+def write_layer_report(dst: Path, layers: list) -> None:
+    """Per-layer figures (shape, time, the method's error statistics) saved beside the weights."""
+    from dataclasses import asdict
+
+    rows = [asdict(r) for r in layers]
+    (dst / LAYER_REPORT).write_text(json.dumps({"layers": rows}, indent=1) + "\n")
 
 
 def dir_size(path: Path) -> int:

@@ -11,11 +11,11 @@ from typing import Any
 from compress import __version__
 from compress.calibration import load_calibration
 from compress.checkpoint import ShardedWriter
-from compress.engine import Engine, EngineResult, ProgressFn, Stage
+from compress.engine import Engine, EngineResult, LayerFn, ProgressFn, Stage
 from compress.eval.perplexity import EvalResult
 from compress.evaluation import evaluate_checkpoint, load_tokenizer, resolve_device
 from compress.model_io import open_model, quantizable_layers
-from compress.output import OutputDir, copy_side_files, dir_size, write_config, write_model_card
+from compress.output import OutputDir, copy_side_files, dir_size, write_config, write_layer_report, write_model_card
 from compress.recipe import Recipe
 
 log = logging.getLogger(__name__)
@@ -66,7 +66,9 @@ def _record(recipe: Recipe, command: str | None) -> dict[str, Any]:
     }
 
 
-def run_recipe(recipe: Recipe, progress: ProgressFn | None = None, command: str | None = None) -> RunResult:
+def run_recipe(
+    recipe: Recipe, progress: ProgressFn | None = None, command: str | None = None, on_layer: LayerFn | None = None
+) -> RunResult:
     """Compress ``recipe.model`` as described and write ``recipe.output.path`` atomically."""
     device = resolve_device(recipe.device.value)
     handle = open_model(recipe.model, recipe.trust_remote_code)
@@ -77,7 +79,7 @@ def run_recipe(recipe: Recipe, progress: ProgressFn | None = None, command: str 
         for spec, method in zip(recipe.stages, recipe.methods())
     ]
     cal = recipe.calibration
-    engine = Engine(handle, stages, device, batch_size=cal.batch_size if cal else 8, progress=progress)
+    engine = Engine(handle, stages, device, batch_size=cal.batch_size if cal else 8, progress=progress, on_layer=on_layer)
     calibration = None
     if cal is not None:  # loaded even when unused, so a bad calibration set fails early and clearly
         calibration = load_calibration(cal.path, load_tokenizer(recipe.model), cal.samples, cal.seq_len, cal.seed)
@@ -90,6 +92,7 @@ def run_recipe(recipe: Recipe, progress: ProgressFn | None = None, command: str 
         result = engine.run(writer, calibration)
         writer.close()
         copy_side_files(recipe.model, tmp)
+        write_layer_report(tmp, result.layers)
         record = _record(recipe, command)
         write_config(recipe.model, tmp, record)
         evaluation = None

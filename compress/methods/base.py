@@ -52,6 +52,12 @@ class Method:
         """Statistics of each layer's input this method needs (empty: no calibration data)."""
         return frozenset()
 
+    @property
+    def sequential(self) -> bool:
+        """True: transform a block's layers group by group in forward order, each group's statistics
+        collected after the groups before it were transformed (GPTQ's "true sequential")."""
+        return False
+
     def check_layer(self, name: str, out_features: int, in_features: int) -> None:
         """Raise `CompressError` before any work starts if this layer cannot take the method."""
 

@@ -254,3 +254,64 @@ def test_statistics_methods_refuse_layers_outside_blocks(tmp_path):
     layers = quantizable_layers(handle.model, [], include=["lm_head"])
     with pytest.raises(CompressError, match="exclude lm_head"):
         Engine(handle, [Stage(CalibratedRTN(RTN.Config(group_size=32)), layers)]).check(torch.zeros(1, 4, dtype=torch.long))
+
+
+class SequentialRTN(CalibratedRTN):
+    @property
+    def sequential(self):
+        return True
+
+
+@pytest.mark.parametrize(
+    "arch,expected",
+    [
+        ("llama", [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]),
+        ("gpt2", [["attn.c_attn"], ["attn.c_proj"], ["mlp.c_fc"], ["mlp.c_proj"]]),
+        ("opt", [["q_proj", "k_proj", "v_proj"], ["out_proj"], ["fc1"], ["fc2"]]),
+    ],
+)
+def test_forward_groups_follow_the_data_flow(arch, expected, tmp_path):
+    model_dir = save_random_model(CONFIGS[arch](), tmp_path / "in")
+    handle = open_model(model_dir)
+    engine = Engine(handle, [])
+    calibration = torch.randint(0, VOCAB, (2, 8))
+    inputs = engine.capture_inputs(calibration)
+    block = handle.blocks[0]
+    handle.materialize(block, handle.block_name(0), "cpu", torch.float32)
+    layers = quantizable_layers(handle.model, [handle.block_name(0)])
+    groups = engine._forward_groups(block, layers, inputs[0])
+    prefix = handle.block_name(0) + "."
+    strip = ("self_attn.", "mlp.") if arch != "gpt2" else ()
+    short = []
+    for group in groups:
+        names = [n.removeprefix(prefix) for n in group]
+        for p in strip:
+            names = [n.removeprefix(p) for n in names]
+        short.append(sorted(names))
+    assert short == [sorted(g) for g in expected]
+
+
+def test_true_sequential_statistics_see_quantized_earlier_groups(tmp_path):
+    """o_proj's Hessian comes from a block whose q/k/v are already quantized (and nothing else)."""
+    model_dir = save_random_model(tiny_llama_config(VOCAB, num_hidden_layers=1), tmp_path / "in")
+    calibration = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(3))
+    seen = {}
+
+    class Recording(SequentialRTN):
+        def transform_layer(self, name, weight, stats):
+            seen[name] = stats[Stat.HESSIAN].clone()
+            return super().transform_layer(name, weight, stats)
+
+    run_engine(model_dir, tmp_path / "out", Recording(RTN.Config(bits=2, group_size=32)), calibration)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    attn = model.model.layers[0].self_attn
+    with torch.no_grad():
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            proj.weight.copy_(independent_fake_quant(proj.weight, 2, 32)[0].float())
+    name = "model.layers.0.self_attn.o_proj"
+    expected = reference_hessians(model, [name], calibration)[name]
+    torch.testing.assert_close(seen[name].double(), expected, rtol=1e-3, atol=1e-5)
+    # q/k/v themselves saw the unquantized block's input.
+    original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    q = "model.layers.0.self_attn.q_proj"
+    torch.testing.assert_close(seen[q].double(), reference_hessians(original, [q], calibration)[q], rtol=1e-4, atol=1e-5)
