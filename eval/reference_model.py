@@ -186,7 +186,7 @@ def write_model_card(out_dir: Path, summary: dict, perplexities: dict[str, float
         lines += [
             "",
             "Round-to-nearest (symmetric) against this model on shakespeare/test.txt, from",
-            "`python bench/rtn_quality.py --text ../shared/corpus/shakespeare/test.txt`:",
+            "`python bench/quality.py --methods rtn --text ../shared/corpus/shakespeare/test.txt`:",
             "",
             "| setting | perplexity | mean KLD |",
             "| --- | --- | --- |",

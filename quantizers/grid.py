@@ -106,3 +106,34 @@ def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """Round ``w`` to its own min-max grid and return the dequantized float32 weight."""
     scale, zero = compute_qparams(w, scheme)
     return dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme)
+
+
+def mse_qparams(
+    w: torch.Tensor, scheme: QuantScheme, grid: int = 100, max_shrink: float = 0.8, norm: float = 2.4
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Clipping search for the scale and zero point per (row, group): each ``[out, n_groups]``.
+
+    The search of GPTQ's reference ``Quantizer.find_params(mse=True)``: try the shrink factors
+    ``p = 1 - i / grid`` for ``i in range(int(max_shrink * grid))`` (1, 0.99, ..., 0.21 with the
+    defaults) and keep, per (row, group), the first ``p`` with the smallest ``sum |w - deq(w)|**norm``.
+    The first candidate is always ``p = 1``, so the result is never worse than plain min-max.
+    """
+    w = w.float()
+    best_scale, best_zero = compute_qparams(w, scheme)
+    best_err = _group_error(w, best_scale, best_zero, scheme, norm)
+    for i in range(1, int(max_shrink * grid)):
+        scale, zero = compute_qparams(w, scheme, shrink=1 - i / grid)
+        err = _group_error(w, scale, zero, scheme, norm)
+        better = err < best_err  # strict: ties keep the wider range, as the reference does
+        best_err = torch.where(better, err, best_err)
+        best_scale = torch.where(better, scale, best_scale)
+        best_zero = torch.where(better, zero, best_zero)
+    return best_scale, best_zero
+
+
+def _group_error(
+    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme, norm: float
+) -> torch.Tensor:
+    """``sum |w - deq|**norm`` per (row, group): ``[out, n_groups]``."""
+    deq = dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme)
+    return _grouped((w - deq).abs_().pow_(norm), scheme).sum(dim=-1)

@@ -81,3 +81,138 @@ def assert_codes_match(got: np.ndarray, ref: np.ndarray, ratio: np.ndarray, symm
     endpoint = np.isclose(np.abs(ratio), (2**bits - 1) / 2, rtol=0, atol=1e-4) if symmetric else np.zeros_like(bad)
     other = (bad & ~endpoint).sum()
     assert other <= 1 + 0.001 * got.size, f"{other} tie mismatches out of {got.size}"
+
+
+def reference_obq(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    bits: int,
+    symmetric: bool,
+    group_size: int,
+    damp: float = 0.01,
+    act_order: bool = False,
+    dtype: torch.dtype = torch.float64,
+    params: tuple[torch.Tensor, torch.Tensor] | None = None,
+    follow: tuple[torch.Tensor, torch.Tensor] | None = None,
+    tie_tol: float = 1e-3,
+) -> dict:
+    """Slow textbook GPTQ/OBQ: one column at a time with the FULL inverse Hessian (no Cholesky, no blocks).
+
+    For each column ``i`` in processing order: (at a group start, the group's min-max grid from the
+    current W), ``q_i = quant(w_i)``, ``err = (w_i − q_i) / Hinv[i, i]``,
+    ``W[:, i+1:] −= err ⊗ Hinv[i, i+1:]``, then eliminate ``i``: ``Hinv −= Hinv[:, i] Hinv[i, :] / Hinv[i, i]``.
+    Damping ``λ = damp · mean(diag H)``; dead columns (``H_ii == 0``) get ``H_ii = 1`` and a zero weight.
+    ``act_order``: process by decreasing ``diag(H)`` (stable order), every group's grid fixed up
+    front from the original W. ``params`` (``scale, zero [out, n_groups]``) fixes all grids instead.
+
+    ``follow`` = ``(codes, zero)`` of the implementation under test: wherever this reference's own
+    unrounded value lies within ``tie_tol`` of a rounding tie (x.5), it takes the followed neighbour,
+    so the two runs stay on the same path instead of diverging after a float-noise tie flip.
+    Such taken flips are reported in ``code_flips`` / ``zero_flips``; nothing is followed elsewhere.
+
+    Returns a dict: ``codes`` (int64), ``scale``, ``zero``, ``weight`` (dequantized), ``ratio`` (w/s
+    when each weight was rounded), ``code_flips`` (bool), ``zero_flips`` (int), ``lam``; all in the
+    original column order.
+    """
+    W = weight.detach().to(dtype).clone()
+    H = hessian.detach().to(dtype).clone()
+    rows, cols = W.shape
+    max_code = 2**bits - 1
+    width = cols if group_size == -1 else group_size
+    n_groups = cols // width
+    for k in range(cols):
+        if H[k, k] == 0:
+            H[k, k] = 1.0
+            W[:, k] = 0.0
+
+    def rnd(t, theirs):
+        """round-half-even(t); at a near-tie take ``theirs`` if it is one of the two neighbours."""
+        mine = torch.round(t)
+        if theirs is None:
+            return mine
+        lo = torch.floor(t)
+        near = (t - lo - 0.5).abs() < tie_tol
+        take = near & ((theirs == lo) | (theirs == lo + 1))
+        return torch.where(take, theirs, mine)
+
+    follow_codes = follow_zero = None
+    if follow is not None:
+        follow_codes = follow[0].detach().to(W.device, dtype)
+        follow_zero = follow[1].detach().to(W.device, dtype)
+    zero_flips = 0
+
+    def grid_of(seg, g):
+        """Textbook min-max scale and zero point of one group ``seg [rows, width]``."""
+        nonlocal zero_flips
+        if symmetric:
+            s = seg.abs().amax(dim=1) / (max_code / 2)
+            z = torch.full_like(s, float(2 ** (bits - 1)))
+        else:
+            lo = seg.amin(dim=1).clamp(max=0)
+            hi = seg.amax(dim=1).clamp(min=0)
+            s = (hi - lo) / max_code
+            t = -lo / torch.where(s > 0, s, torch.ones_like(s))
+            own = torch.round(t).clamp(0, max_code)
+            z = rnd(t, None if follow_zero is None else follow_zero[:, g]).clamp(0, max_code)
+            zero_flips += int((z != own).sum())
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        return s, z
+
+    scale = torch.zeros(rows, n_groups, dtype=dtype, device=W.device)
+    zero = torch.zeros(rows, n_groups, dtype=dtype, device=W.device)
+    static = act_order or params is not None
+    if params is not None:
+        scale[:], zero[:] = params[0].to(W.device, dtype), params[1].to(W.device, dtype)
+    elif act_order:
+        for g in range(n_groups):
+            scale[:, g], zero[:, g] = grid_of(W[:, g * width : (g + 1) * width], g)
+
+    order = torch.arange(cols, device=W.device)
+    if act_order:
+        order = torch.argsort(torch.diagonal(H), descending=True, stable=True)
+    W = W[:, order]
+    H = H[order][:, order]
+    lam = damp * float(torch.diagonal(H).mean())
+    H += lam * torch.eye(cols, dtype=dtype, device=W.device)
+    Hinv = torch.linalg.inv(H)
+
+    codes = torch.zeros(rows, cols, dtype=torch.int64, device=W.device)
+    deq = torch.zeros(rows, cols, dtype=dtype, device=W.device)
+    ratio = torch.zeros(rows, cols, dtype=dtype, device=W.device)
+    flips = torch.zeros(rows, cols, dtype=torch.bool, device=W.device)
+    for i in range(cols):
+        j = int(order[i])  # original column
+        g = j // width
+        if not static and j % width == 0:
+            scale[:, g], zero[:, g] = grid_of(W[:, i : i + width], g)
+        s, z = scale[:, g], zero[:, g]
+        t = W[:, i] / s
+        own = (torch.round(t) + z).clamp(0, max_code)
+        q = (rnd(t, None if follow_codes is None else follow_codes[:, j] - z) + z).clamp(0, max_code)
+        codes[:, j], ratio[:, j], flips[:, j] = q.long(), t, q != own
+        deq[:, j] = s * (q - z)
+        err = (W[:, i] - deq[:, j]) / Hinv[i, i]
+        W[:, i + 1 :] -= torch.outer(err, Hinv[i, i + 1 :])
+        Hinv -= torch.outer(Hinv[:, i], Hinv[i, :]) / Hinv[i, i]
+    return {
+        "codes": codes,
+        "scale": scale,
+        "zero": zero,
+        "weight": deq,
+        "ratio": ratio,
+        "code_flips": flips,
+        "zero_flips": zero_flips,
+        "lam": lam,
+    }
+
+
+def correlated_layer(out_features: int, in_features: int, tokens: int, seed: int):
+    """Random weight and ``H = 2/n X Xᵀ`` from correlated inputs ``X = (Z A)ᵀ`` (A: random mixing)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(out_features, in_features, generator=g) * 0.05
+    z = torch.randn(tokens, in_features, generator=g)
+    a = torch.randn(in_features, in_features, generator=g) / in_features**0.5
+    a += torch.eye(in_features) * 0.1
+    x = (z @ a).T.contiguous()  # [in, n]
+    h = 2.0 / tokens * (x @ x.T)
+    return w, h, x

@@ -165,3 +165,27 @@ def test_reference_model_command_trains_and_writes_card(tmp_path):
     assert "| eval.txt |" in card and "2 steps" in card
     assert json.loads((out / "training.json").read_text())["config"]["steps"] == 2
     assert AutoModelForCausalLM.from_pretrained(out).config.num_key_value_heads == 2
+
+
+def test_gptq_command_reports_each_layer(tmp_path, tiny_llama):
+    out = tmp_path / "gptq"
+    result = invoke("quantize", tiny_llama, "-o", out, "--method", "gptq", "--bits", "4", "--group-size", "32",
+                    "-O", "act_order=true", "-O", "damp=0.05", "--calib", CALIB_TEXT, "--samples", "4", "--seq-len", "64")
+    assert result.exit_code == 0, result.output
+    assert "model.layers.1.mlp.down_proj  [64×128]" in result.stderr  # the live per-layer table
+    rows = json.loads((out / "compression_report.json").read_text())["layers"]
+    assert len(rows) == 14
+    assert all(r["info"]["damp"] == 0.05 and r["info"]["error"] >= 0 for r in rows)
+    stage = json.loads((out / "config.json").read_text())["compression"]["stages"][0]
+    assert stage["method"] == "gptq" and stage["act_order"] is True and stage["true_sequential"] is True
+
+
+def test_gptq_without_calibration_is_a_clear_error(tmp_path, tiny_llama):
+    result = invoke("quantize", tiny_llama, "-o", tmp_path / "o", "--method", "gptq", "--group-size", "32")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: method gptq needs calibration data: pass --calib PATH"
+
+
+def test_bad_method_option_is_a_clear_error(tmp_path, tiny_llama):
+    result = invoke("quantize", tiny_llama, "-o", tmp_path / "o", "-O", "act_order")
+    assert result.exit_code == 2 and "is not KEY=VALUE" in result.stderr

@@ -1,0 +1,72 @@
+"""Quality of quantization methods on the reference model: perplexity and mean KLD against the original.
+
+    python bench/quality.py [--methods rtn,gptq,gptq:act_order=true] [--settings 8:128,4:-1,4:128,3:128,2:64]
+                            [--text ../shared/corpus/shakespeare/test.txt] [--calib FILE --samples 64 --seq-len 512]
+
+One row per method and setting (bits:group_size, symmetric), with the figures `compress eval ppl` reports.
+Methods that need calibration data get ``--calib``; extra method settings follow a colon (``name:key=value``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+from compress.recipe import parse_recipe
+from compress.registry import method_class
+from compress.runner import run_recipe
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def parse_method(spec: str) -> tuple[str, dict]:
+    name, _, rest = spec.partition(":")
+    options = {}
+    for item in filter(None, rest.split(";")):
+        key, _, value = item.partition("=")
+        options[key] = yaml.safe_load(value)
+    return name, options
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=REPO / "eval/assets/reference-llama")
+    ap.add_argument("--text", type=Path, default=REPO / "eval/assets/shakespeare-test-slice.txt")
+    ap.add_argument("--calib", type=Path, default=REPO / "eval/assets/shakespeare-calib-slice.txt")
+    ap.add_argument("--samples", type=int, default=64)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--methods", default="rtn,gptq")
+    ap.add_argument("--settings", default="8:128,4:-1,4:128,3:128,2:64")
+    ap.add_argument("--ctx", type=int, default=512)
+    args = ap.parse_args()
+    settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
+    print(f"model {args.model}, text {args.text}, ctx {args.ctx}; calibration {args.calib.name} "
+          f"{args.samples}x{args.seq_len}")
+    print(f"{'method':<22}{'setting':<14}{'ppl':>9}{'ref ppl':>9}{'ppl +%':>9}{'mean KLD':>11}{'KLD p99':>9}{'time':>8}")
+    with tempfile.TemporaryDirectory() as tmp:
+        for spec in args.methods.split(","):
+            name, options = parse_method(spec)
+            needs_data = bool(method_class(name)(method_class(name).Config(**options)).needs)
+            for bits, group in settings:
+                data = {
+                    "model": args.model,
+                    "stages": [{"method": name, "bits": bits, "group_size": group, **options}],
+                    "output": {"path": Path(tmp) / "out", "overwrite": True},
+                    "evaluation": {"text": args.text, "ctx": args.ctx},
+                }
+                if needs_data:
+                    data["calibration"] = {"path": args.calib, "samples": args.samples, "seq_len": args.seq_len}
+                start = time.perf_counter()
+                ev = run_recipe(parse_recipe(data)).evaluation
+                setting = f"w{bits} " + ("per-chan" if group == -1 else f"g{group}")
+                print(f"{spec:<22}{setting:<14}{ev.perplexity:>9.3f}{ev.ref_perplexity:>9.3f}"
+                      f"{100 * (ev.perplexity / ev.ref_perplexity - 1):>8.2f}%{ev.kld:>11.5f}{ev.kld_p99:>9.4f}"
+                      f"{time.perf_counter() - start:>7.0f}s", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,48 @@
+"""GPTQ as an engine method: Hessian statistics, true-sequential by default."""
+
+from __future__ import annotations
+
+from pydantic import Field
+
+from compress.errors import CompressError
+from compress.methods.base import LayerOutcome, Method
+from compress.methods.rtn import WeightQuantConfig, check_group_size
+from compress.quantizers.gptq import GPTQConfig, gptq
+from compress.registry import register_method
+from compress.statistics import Stat
+
+
+class GPTQMethodConfig(WeightQuantConfig):
+    block_size: int = Field(128, ge=1, description="columns per lazy-batch block")
+    damp: float = Field(0.01, gt=0, description="dampening, as a fraction of the mean Hessian diagonal")
+    act_order: bool = Field(False, description="process columns by decreasing Hessian diagonal (static groups)")
+    mse: bool = Field(False, description="search each group's clipping range for the lowest weight error")
+    true_sequential: bool = Field(True, description="quantize q/k/v, o, gate/up, down in turn, each on updated inputs")
+
+
+@register_method("gptq")
+class GPTQ(Method):
+    """Quantize column by column, feeding each rounding error back into the columns not yet quantized."""
+
+    Config = GPTQMethodConfig
+
+    @property
+    def needs(self) -> frozenset[Stat]:
+        return frozenset({Stat.HESSIAN})
+
+    @property
+    def sequential(self) -> bool:
+        return self.config.true_sequential
+
+    def check_layer(self, name: str, out_features: int, in_features: int) -> None:
+        check_group_size(name, in_features, self.config.group_size)
+
+    def transform_layer(self, name, weight, stats) -> LayerOutcome:
+        cfg = self.config
+        config = GPTQConfig(cfg.scheme(), block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order, mse=cfg.mse)
+        try:
+            result = gptq(weight, stats[Stat.HESSIAN], config)
+        except ValueError as exc:
+            raise CompressError(f"GPTQ failed on {name}: {exc}") from None
+        keys = ("error", "rel_error", "damp", "damp_retries", "dead_columns")
+        return LayerOutcome(result.weight, {k: result.stats[k] for k in keys if k in result.stats})

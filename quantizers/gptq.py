@@ -1,0 +1,194 @@
+"""GPTQ: post-training quantization of one linear layer with second-order error feedback.
+
+Frantar, Ashkboos, Hoefler, Alistarh, "GPTQ: Accurate Post-Training Quantization for Generative
+Pre-trained Transformers", ICLR 2023, arXiv:2210.17323.
+
+Objective. For a layer ``y = W x`` with calibration inputs ``X [in, n]`` find ``Q`` on the grid (see
+``grid``) minimising the layer-output error
+
+    ‖WX − QX‖²_F = (n/2) · tr((W − Q) H (W − Q)ᵀ),    H = 2/n · X Xᵀ  [in, in].
+
+The rows of ``W`` are independent given ``H``. GPTQ quantizes one *column* at a time (for all rows at
+once) in a fixed order, and after rounding column ``i`` spreads its error over the columns not yet
+quantized with the Optimal Brain Surgeon update
+
+    W[:, F] −= (w_i − q_i) / [H_F⁻¹]_ii · [H_F⁻¹]_{i, F}
+
+where ``H_F⁻¹`` is the inverse Hessian of the remaining columns ``F`` (``i`` is eliminated after each
+step). Row ``i`` of the upper Cholesky factor ``U`` of ``H⁻¹ = UᵀU`` is exactly that eliminated row
+divided by ``sqrt([H_F⁻¹]_ii)``, so the update is ``err = (w_i − q_i) / U_ii; W[:, i+1:] −= err ⊗ U[i, i+1:]``
+and ``H⁻¹`` never has to be updated (Section 4, "Cholesky reformulation").
+
+Lazy batch updates (Algorithm 1): the columns are processed in blocks of ``block_size``; the update
+above is applied only within the block, the block's scaled errors ``Err [out, B]`` are collected and
+the later columns are updated once per block with ``W[:, i2:] −= Err · U[i1:i2, i2:]``.
+
+Groups (``group_size > 0``): a group's grid is computed when its first column is reached, from
+the group's columns as they are at that point (all earlier errors fed back). The reference
+implementation reads them from ``W`` without the current block's in-block updates; the two agree
+whenever groups start at block starts (e.g. group 128 with block 128), and here the result does not
+depend on ``block_size`` beyond float rounding.
+
+Options: ``act_order`` processes the columns by decreasing ``diag(H)`` (the reference's
+``desc_act``) with static groups (every group's grid fixed up front from the original ``W``);
+``mse`` replaces min-max by the clipping search ``grid.mse_qparams``.
+
+Shapes: ``weight [out, in]``, ``hessian [in, in]`` (symmetric positive semi-definite); the result's
+``weight``/``codes`` are ``[out, in]``, ``scale``/``zero`` ``[out, n_groups]`` and, with act-order,
+``g_idx [in]``. Everything runs in float32 on the inputs' device; the inputs are not modified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, mse_qparams, quantize
+from compress.quantizers.result import QuantResult
+
+
+@dataclass(frozen=True)
+class GPTQConfig:
+    """Settings of one GPTQ run; the defaults are those of the reference implementation."""
+
+    scheme: QuantScheme  # bits / symmetric / group_size (-1 = per output channel)
+    block_size: int = 128  # lazy-batch column block (Algorithm 1)
+    damp: float = 0.01  # λ = damp · mean(diag H)
+    act_order: bool = False  # desc_act: process columns by decreasing diag(H), static groups
+    mse: bool = False  # MSE grid search for the clipping range of each group
+    mse_grid: int = 100
+    mse_max_shrink: float = 0.8
+    mse_norm: float = 2.4
+    max_damp_tries: int = 8  # retries with damp ×10 each time the Cholesky factorization fails
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if not self.damp > 0:
+            raise ValueError(f"damp must be positive, got {self.damp}")
+        if self.mse_grid < 1 or not 0 < self.mse_max_shrink <= 1:
+            raise ValueError(f"bad MSE search: grid {self.mse_grid}, max_shrink {self.mse_max_shrink}")
+        if self.max_damp_tries < 0:
+            raise ValueError(f"max_damp_tries must be >= 0, got {self.max_damp_tries}")
+
+
+def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> QuantResult:
+    """Quantize ``weight [out, in]`` with GPTQ given ``hessian [in, in]`` (e.g. ``2/n · X Xᵀ``).
+
+    ``stats``: ``damp`` (relative damping finally used) and ``lambda`` (absolute), ``damp_retries``,
+    ``dead_columns`` (``H_ii == 0``: quantized to zero), ``error`` = tr((W−Q) H (W−Q)ᵀ) with the
+    given ``H`` and ``rel_error`` = error / tr(W H Wᵀ). Raises ``ValueError`` on non-finite inputs,
+    mismatched shapes, or a Hessian that no damping within ``max_damp_tries`` makes factorizable.
+    """
+    scheme = config.scheme
+    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise ValueError(f"weight {tuple(weight.shape)} and hessian {tuple(hessian.shape)} do not match")
+    out_features, in_features = weight.shape
+    n_groups, width = scheme.groups(in_features), scheme.group_width(in_features)
+    W = weight.detach().to(torch.float32, copy=True)
+    H = hessian.detach().to(torch.float32, copy=True)
+    if not torch.isfinite(W).all():
+        raise ValueError("weight contains NaN or inf")
+    if not torch.isfinite(H).all():
+        raise ValueError("hessian contains NaN or inf")
+
+    # Dead inputs (never active in calibration): nothing to fit, quantize the column to zero.
+    dead = torch.diagonal(H) == 0
+    H.diagonal()[dead] = 1.0
+    W[:, dead] = 0.0
+
+    def qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if config.mse:
+            return mse_qparams(w, scheme, config.mse_grid, config.mse_max_shrink, config.mse_norm)
+        return compute_qparams(w, scheme)
+
+    if config.act_order:
+        # Static groups: every group's grid from the original W in the original column order.
+        scale, zero = qparams(W)
+        perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
+        W, H = W[:, perm], H[perm][:, perm]
+        group_of = (perm // width).tolist()  # group of the k-th processed column
+    else:
+        scale = W.new_empty(out_features, n_groups)
+        zero = W.new_empty(out_features, n_groups)
+        group_of = [j // width for j in range(in_features)]
+
+    U, damp, lam, retries = _inverse_hessian_factor(H, config.damp, config.max_damp_tries)
+
+    Q = torch.zeros_like(W)
+    codes = torch.zeros(out_features, in_features, dtype=torch.int32, device=W.device)
+    column = QuantScheme(scheme.bits, scheme.symmetric, -1)  # one column with its own grid
+    for i1 in range(0, in_features, config.block_size):
+        i2 = min(i1 + config.block_size, in_features)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        for i in range(i2 - i1):
+            j, g = i1 + i, group_of[i1 + i]
+            if not config.act_order and j % width == 0:
+                # The group's grid from its columns as they are now: in-block columns from W1,
+                # later ones from W with this block's pending updates applied.
+                cols = W1[:, i : i + width]
+                if j + width > i2:
+                    pending = W[:, i2 : j + width] - Err1 @ U[i1:i2, i2 : j + width]
+                    cols = torch.cat([cols, pending], dim=1)
+                s, z = qparams(cols)
+                scale[:, g : g + 1], zero[:, g : g + 1] = s, z
+            s, z = scale[:, g : g + 1], zero[:, g : g + 1]
+            w = W1[:, i : i + 1]
+            q = quantize(w, s, z, column)
+            deq = dequantize(q, s, z, column)
+            codes[:, j : j + 1], Q[:, j : j + 1] = q, deq
+            err = (w - deq) / U1[i, i]
+            W1[:, i + 1 :] -= err @ U1[i : i + 1, i + 1 :]
+            Err1[:, i : i + 1] = err
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
+
+    g_idx = None
+    if config.act_order:
+        inverse = torch.argsort(perm)
+        Q, codes = Q[:, inverse], codes[:, inverse]
+        g_idx = (torch.arange(in_features, device=W.device) // width).to(torch.int32)
+
+    # Proxy loss with the caller's Hessian (undamped): (2/n)‖(W − Q)X‖² for H = 2/n X Xᵀ.
+    W0, H0 = weight.detach().float(), hessian.detach().float()
+    delta = W0 - Q
+    error = float(((delta @ H0) * delta).sum())
+    base = float(((W0 @ H0) * W0).sum())
+    stats = {
+        "damp": damp,
+        "lambda": lam,
+        "damp_retries": retries,
+        "dead_columns": int(dead.sum()),
+        "error": error,
+        "rel_error": error / base if base > 0 else 0.0,
+    }
+    return QuantResult(Q, codes, scale, zero, scheme, g_idx=g_idx, stats=stats)
+
+
+def _inverse_hessian_factor(
+    H: torch.Tensor, damp: float, max_retries: int
+) -> tuple[torch.Tensor, float, float, int]:
+    """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` with ``λ = damp · mean(diag H)``.
+
+    As the reference: ``cholesky`` → ``cholesky_inverse`` → ``cholesky(upper=True)``. When a
+    factorization fails or is not finite, ``damp`` is multiplied by 10, up to ``max_retries`` times.
+    Returns ``(U, damp, λ, retries)``.
+    """
+    mean_diag = float(torch.diagonal(H).mean())
+    for retry in range(max_retries + 1):
+        rel = damp * 10**retry
+        lam = rel * mean_diag
+        damped = H.clone()
+        damped.diagonal().add_(lam)
+        try:
+            U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True)
+        except torch.linalg.LinAlgError:
+            continue
+        if torch.isfinite(U).all():
+            return U, rel, lam, retry
+    raise ValueError(
+        f"hessian is not positive definite even with damp {damp * 10**max_retries:g} "
+        f"(mean diagonal {mean_diag:g}, {max_retries} retries)"
+    )

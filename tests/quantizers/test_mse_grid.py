@@ -1,0 +1,103 @@
+"""Tests for compress.quantizers.grid.mse_qparams: the clipping search of GPTQ's reference find_params(mse=True)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, mse_qparams, quantize
+
+from references import expand_groups
+
+
+def heavy_tailed(shape, seed: int) -> torch.Tensor:
+    """Gaussian weights with a few large outliers per row: clipping the range pays off."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(shape, generator=g) * 0.02
+    w *= torch.exp(torch.randn(shape, generator=g) * 0.7)
+    return w
+
+
+def independent_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, bits: int, norm: float) -> np.ndarray:
+    """sum |w - deq|**norm per (row, group) in float64 numpy, not using the library grid."""
+    w64 = w.double().numpy()
+    cols = w64.shape[1]
+    s = expand_groups(scale.double().numpy(), cols)
+    z = expand_groups(zero.double().numpy(), cols)
+    q = np.clip(np.rint(w64 / s) + z, 0, 2**bits - 1)
+    e = np.abs(w64 - s * (q - z)) ** norm
+    return e.reshape(w64.shape[0], scale.shape[1], -1).sum(-1)
+
+
+CASES = [
+    pytest.param(b, sym, gs, id=f"b{b}-{'sym' if sym else 'asym'}-g{gs}")
+    for b in (2, 3, 4, 8)
+    for sym in (True, False)
+    for gs in (-1, 32)
+]
+
+
+@pytest.mark.parametrize("bits,sym,gs", CASES)
+def test_never_worse_than_min_max(bits, sym, gs):
+    w = heavy_tailed((12, 128), seed=bits * 10 + gs % 7)
+    scheme = QuantScheme(bits=bits, symmetric=sym, group_size=gs)
+    scale, zero = mse_qparams(w, scheme)
+    n_groups = 1 if gs == -1 else 128 // gs
+    assert scale.shape == zero.shape == (12, n_groups)
+    assert scale.dtype == zero.dtype == torch.float32
+    assert (scale > 0).all() and torch.isfinite(zero).all()
+    s1, z1 = compute_qparams(w, scheme)
+    e_mse = independent_error(w, scale, zero, bits, 2.4)
+    e_one = independent_error(w, s1, z1, bits, 2.4)
+    assert (e_mse <= e_one * (1 + 1e-5)).all()
+    # and the clipped range never exceeds the min-max one
+    assert (scale <= s1 * (1 + 1e-6)).all()
+    if bits <= 4:  # on heavy-tailed weights clipping pays off somewhere
+        assert (scale < s1 * 0.999).any()
+        assert e_mse.sum() < e_one.sum()
+
+
+@pytest.mark.parametrize("grid,max_shrink,norm", [(100, 0.8, 2.4), (20, 0.5, 2.0), (7, 1.0, 3.0), (10, 0.1, 2.4)])
+@pytest.mark.parametrize("bits,sym,gs", [(3, True, 32), (4, False, 32), (2, False, -1), (4, True, -1)])
+def test_equals_brute_force(grid, max_shrink, norm, bits, sym, gs):
+    w = heavy_tailed((10, 96), seed=grid + bits)
+    scheme = QuantScheme(bits=bits, symmetric=sym, group_size=gs)
+    shrinks = [1 - i / grid for i in range(int(max_shrink * grid))]
+    cands = [compute_qparams(w, scheme, shrink=p) for p in shrinks]
+    errs = []
+    for s, z in cands:
+        deq = dequantize(quantize(w, s, z, scheme), s, z, scheme)
+        e = (w - deq).abs().pow(norm)
+        errs.append(e.reshape(10, s.shape[1], -1).sum(-1).numpy())
+    best = np.argmin(np.stack(errs), axis=0)  # first minimum: ties keep the larger shrink factor
+    exp_s = np.take_along_axis(np.stack([c[0].numpy() for c in cands]), best[None], 0)[0]
+    exp_z = np.take_along_axis(np.stack([c[1].numpy() for c in cands]), best[None], 0)[0]
+
+    scale, zero = mse_qparams(w, scheme, grid=grid, max_shrink=max_shrink, norm=norm)
+    np.testing.assert_array_equal(scale.numpy(), exp_s)
+    np.testing.assert_array_equal(zero.numpy(), exp_z)
+
+
+def test_single_candidate_is_min_max():
+    w = heavy_tailed((4, 64), seed=3)
+    scheme = QuantScheme(bits=4, symmetric=False, group_size=32)
+    s, z = mse_qparams(w, scheme, grid=10, max_shrink=0.1)  # only p = 1
+    s1, z1 = compute_qparams(w, scheme)
+    assert torch.equal(s, s1) and torch.equal(z, z1)
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_zero_and_half_precision_inputs(sym):
+    scheme = QuantScheme(bits=4, symmetric=sym, group_size=32)
+    w = heavy_tailed((4, 64), seed=5)
+    w[1] = 0.0
+    s, z = mse_qparams(w.half(), scheme)
+    assert torch.isfinite(s).all() and (s > 0).all()
+    deq = dequantize(quantize(w, s, z, scheme), s, z, scheme)
+    assert (deq[1] == 0).all()
+
+
+def test_rejects_non_dividing_group():
+    with pytest.raises(ValueError):
+        mse_qparams(heavy_tailed((2, 100), seed=0), QuantScheme(bits=4, group_size=32))
