@@ -89,6 +89,22 @@ def _parse_options(options: list[str]) -> dict[str, Any]:
     return parsed
 
 
+def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
+    """Build the one-stage recipe of a compressing command from its options, and run it."""
+    data: dict[str, Any] = {
+        "model": args["model"],
+        "stages": [{**stage, "include": args["include"], "exclude": args["exclude"], **_parse_options(args["option"])}],
+        "output": {"path": args["output"], "overwrite": args["overwrite"]},
+        "device": args["device"],
+        "trust_remote_code": args["trust_remote_code"],
+    }
+    if args["calib"] is not None:
+        data["calibration"] = {"path": args["calib"], "samples": args["samples"], "seq_len": args["seq_len"]}
+    if args["eval_text"] is not None:
+        data["evaluation"] = {"text": args["eval_text"]}
+    _run(data, "command line", args["as_json"])
+
+
 @app.command()
 @user_errors
 def quantize(
@@ -111,19 +127,34 @@ def quantize(
     as_json: bool = JSON_OPT,
 ) -> None:
     """Quantize a model's decoder-block linear layers and write a new checkpoint."""
-    stage = {"method": method, "bits": bits, "group_size": group_size, "symmetric": symmetric, "include": include, "exclude": exclude}
-    data: dict[str, Any] = {
-        "model": model,
-        "stages": [{**stage, **_parse_options(option)}],
-        "output": {"path": output, "overwrite": overwrite},
-        "device": device,
-        "trust_remote_code": trust_remote_code,
-    }
-    if calib is not None:
-        data["calibration"] = {"path": calib, "samples": samples, "seq_len": seq_len}
-    if eval_text is not None:
-        data["evaluation"] = {"text": eval_text}
-    _run(data, "command line", as_json)
+    stage = {"method": method, "bits": bits, "group_size": group_size, "symmetric": symmetric}
+    _run_stage(locals(), stage)
+
+
+@app.command()
+@user_errors
+def prune(
+    model: Path = typer.Argument(..., help="Local Hugging Face checkpoint directory."),
+    output: Path = typer.Option(..., "-o", "--output", help="Output directory (written atomically)."),
+    method: str = typer.Option("sparsegpt", "--method", help="Pruning method: sparsegpt, wanda or magnitude."),
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Unstructured: fraction of weights pruned, e.g. 0.5."),
+    pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M semi-structured: keep N of every M, e.g. 2:4."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text: file, folder or saved dataset."),
+    samples: int = typer.Option(128, "--samples", help="Calibration samples."),
+    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration sample."),
+    include: list[str] = typer.Option([], "--include", help="Regex of layer names to prune (replaces the default: all block linears)."),
+    exclude: list[str] = typer.Option([], "--exclude", help="Regex of layer names to leave alone."),
+    option: list[str] = typer.Option([], "-O", "--option", help="Method setting KEY=VALUE, e.g. -O bits=4 (see `compress methods`)."),
+    eval_text: Optional[Path] = typer.Option(None, "--eval-text", help="Afterwards, measure ppl and KLD vs the input on this text."),
+    device: str = DEVICE_OPT,
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the checkpoint's own model code."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Prune a model's decoder-block linear layers (unstructured or N:M) and write a new checkpoint."""
+    stage: dict[str, Any] = {"method": method}
+    stage.update({k: v for k, v in (("sparsity", sparsity), ("pattern", pattern)) if v is not None})
+    _run_stage(locals(), stage)
 
 
 @app.command()
@@ -196,6 +227,7 @@ def inspect(
                 "parameters": f"{info['parameters']:,}",
                 "size on disk": human_bytes(info["size_on_disk_bytes"]),
                 "weight files": ", ".join(info["weight_files"]),
+                "sparsity": _describe_sparsity(info["sparsity"]),
                 "compression": _describe_compression(info),
             },
         )
@@ -208,6 +240,14 @@ def inspect(
     for layer in info["other_linear_layers"]:
         table.add_row(f"{layer['name']} (outside blocks, not compressed by default)", "", " × ".join(map(str, layer["shape"])))
     stdout.print(table)
+
+
+def _describe_sparsity(sparsity: dict[str, Any]) -> str:
+    if not sparsity["layers_measured"]:
+        return "not measurable (no dense weights stored)"
+    pattern = sparsity["pattern"]
+    nm = f"{pattern} in every group of {pattern.split(':')[1]}" if pattern else "no N:M pattern"
+    return f"{sparsity['zeros']:.2%} zeros in the block linear layers; {nm}"
 
 
 def _describe_compression(info: dict[str, Any]) -> str:

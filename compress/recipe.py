@@ -112,7 +112,7 @@ def _describe(exc: ValidationError | CompressError, loc: tuple) -> str:
     where = ".".join(str(p) for p in loc + tuple(err["loc"]))
     if err["type"] == "extra_forbidden":
         return f"unknown key {where!r}"
-    return f"{where}: {err['msg']}"
+    return f"{where}: {err['msg']}" if where else err["msg"]
 
 
 def _valid_keys(model: type[BaseModel]) -> str:

@@ -114,7 +114,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         zero = W.new_empty(out_features, n_groups)
         group_of = [j // width for j in range(in_features)]
 
-    U, damp, lam, retries = _inverse_hessian_factor(H, config.damp, config.max_damp_tries)
+    U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
 
     Q = torch.zeros_like(W)
     codes = torch.zeros(out_features, in_features, dtype=torch.int32, device=W.device)
@@ -167,7 +167,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
     return QuantResult(Q, codes, scale, zero, scheme, g_idx=g_idx, stats=stats)
 
 
-def _inverse_hessian_factor(
+def inverse_hessian_factor(
     H: torch.Tensor, damp: float, max_retries: int
 ) -> tuple[torch.Tensor, float, float, int]:
     """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` with ``λ = damp · mean(diag H)``.

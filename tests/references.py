@@ -216,3 +216,77 @@ def correlated_layer(out_features: int, in_features: int, tokens: int, seed: int
     x = (z @ a).T.contiguous()  # [in, n]
     h = 2.0 / tokens * (x @ x.T)
     return w, h, x
+
+
+def reference_prune_mask(scores: torch.Tensor, sparsity: float | None = None, nm: tuple[int, int] | None = None) -> torch.Tensor:
+    """Brute-force pruning mask (True = pruned) by sorting in Python: per row the ``round(sparsity · in)``
+    lowest scores, or per group of ``m`` consecutive columns of a row the ``m − n`` lowest."""
+    s = scores.detach().double().tolist()
+    rows, cols = len(s), len(s[0])
+    mask = [[False] * cols for _ in range(rows)]
+    for r in range(rows):
+        if nm is None:
+            spans = [(0, cols, int(round(sparsity * cols)))]
+        else:
+            n, m = nm
+            spans = [(g, g + m, m - n) for g in range(0, cols, m)]
+        for start, stop, k in spans:
+            order = sorted(range(start, stop), key=lambda c: s[r][c])
+            for c in order[:k]:
+                mask[r][c] = True
+    return torch.tensor(mask, dtype=torch.bool)
+
+
+def reference_sparsegpt(
+    weight: torch.Tensor,
+    hessian: torch.Tensor,
+    sparsity: float | None = None,
+    nm: tuple[int, int] | None = None,
+    block_size: int = 128,
+    damp: float = 0.01,
+    dtype: torch.dtype = torch.float64,
+) -> dict:
+    """Slow textbook SparseGPT: one column at a time with the FULL inverse Hessian (no Cholesky, no lazy blocks).
+
+    ``Hinv = (H + λI)⁻¹``, ``λ = damp · mean(diag H)``; dead columns (``H_ii == 0``) get ``H_ii = 1`` and a
+    zero weight. For each column ``i``: ``ŵ_i = 0`` where masked else ``w_i``,
+    ``err = (w_i − ŵ_i) / Hinv[i, i]``, ``W[:, i+1:] −= err ⊗ Hinv[i, i+1:]``, then eliminate ``i``:
+    ``Hinv −= Hinv[:, i] Hinv[i, :] / Hinv[i, i]``.
+    Mask rule (the paper's reference code, whose ``W1**2 / diag(Hinv1)**2`` squares the diagonal of the
+    Cholesky factor): OBS saliency ``w² / d_i`` where ``d_i = [H_F⁻¹]_ii`` is the inverse Hessian's
+    diagonal entry at the moment column ``i`` is reached. Unstructured: at each start of a block of
+    ``block_size`` columns, the ``round(sparsity · rows · B)`` lowest saliencies of the whole block (``d``
+    found by eliminating the block's columns in a copy of ``Hinv``); N:M: at each group start, the
+    ``m − n`` lowest of each row in the group. Returns ``weight``, ``pruned`` (bool), ``lam``.
+    """
+    W = weight.detach().to(dtype).clone()
+    H = hessian.detach().to(dtype).clone()
+    rows, cols = W.shape
+    for k in range(cols):
+        if H[k, k] == 0:
+            H[k, k] = 1.0
+            W[:, k] = 0.0
+    lam = damp * float(torch.diagonal(H).mean())
+    Hinv = torch.linalg.inv(H + lam * torch.eye(cols, dtype=dtype))
+    out = torch.zeros_like(W)
+    pruned = torch.zeros(rows, cols, dtype=torch.bool)
+    d = torch.zeros(cols, dtype=dtype)
+    for i in range(cols):
+        if i % block_size == 0:  # diagonal of Hinv as each of the block's columns will be reached
+            ahead = Hinv.clone()
+            for k in range(i, min(i + block_size, cols)):
+                d[k] = ahead[k, k]
+                ahead -= torch.outer(ahead[:, k], ahead[k, :]) / ahead[k, k]
+            if nm is None:
+                stop = min(i + block_size, cols)
+                sal = (W[:, i:stop] ** 2 / d[i:stop]).reshape(1, -1)
+                pruned[:, i:stop] = reference_prune_mask(sal, sparsity=sparsity).reshape(rows, stop - i)
+        if nm is not None and i % nm[1] == 0:
+            sal = W[:, i : i + nm[1]] ** 2 / d[i : i + nm[1]]
+            pruned[:, i : i + nm[1]] = reference_prune_mask(sal, nm=nm)
+        q = torch.where(pruned[:, i], torch.zeros_like(W[:, i]), W[:, i])
+        out[:, i] = q
+        err = (W[:, i] - q) / Hinv[i, i]
+        W[:, i + 1 :] -= torch.outer(err, Hinv[i, i + 1 :])
+        Hinv -= torch.outer(Hinv[:, i], Hinv[i, :]) / Hinv[i, i]
+    return {"weight": out, "pruned": pruned, "lam": lam}

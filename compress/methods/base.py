@@ -80,3 +80,28 @@ class Method:
     def record(self) -> dict[str, Any]:
         """What is written to the output's config.json about this method."""
         return {"method": self.name, **self.config.model_dump(mode="json")}
+
+
+class HessianMethod(Method):
+    """Base for second-order solvers (GPTQ, SparseGPT): Hessian statistics, optional true-sequential,
+    and solver failures reported as user errors naming the layer."""
+
+    label: ClassVar[str] = ""
+
+    @property
+    def needs(self) -> frozenset[Stat]:
+        return frozenset({Stat.HESSIAN})
+
+    @property
+    def sequential(self) -> bool:
+        return self.config.true_sequential
+
+    def solve(self, name: str, solver, weight: torch.Tensor, stats: dict[Stat, torch.Tensor], config, keys: tuple[str, ...]):
+        """Run ``solver(weight, H, config)``; returns the layer outcome with the ``keys`` of its stats."""
+        from compress.errors import CompressError
+
+        try:
+            result = solver(weight, stats[Stat.HESSIAN], config)
+        except ValueError as exc:
+            raise CompressError(f"{self.label} failed on {name}: {exc}") from None
+        return LayerOutcome(result.weight, {k: result.stats[k] for k in keys if k in result.stats})

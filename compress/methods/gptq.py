@@ -4,12 +4,10 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from compress.errors import CompressError
-from compress.methods.base import LayerOutcome, Method
+from compress.methods.base import HessianMethod, LayerOutcome
 from compress.methods.rtn import WeightQuantConfig, check_group_size
 from compress.quantizers.gptq import GPTQConfig, gptq
 from compress.registry import register_method
-from compress.statistics import Stat
 
 
 class GPTQMethodConfig(WeightQuantConfig):
@@ -21,18 +19,11 @@ class GPTQMethodConfig(WeightQuantConfig):
 
 
 @register_method("gptq")
-class GPTQ(Method):
+class GPTQ(HessianMethod):
     """Quantize column by column, feeding each rounding error back into the columns not yet quantized."""
 
     Config = GPTQMethodConfig
-
-    @property
-    def needs(self) -> frozenset[Stat]:
-        return frozenset({Stat.HESSIAN})
-
-    @property
-    def sequential(self) -> bool:
-        return self.config.true_sequential
+    label = "GPTQ"
 
     def check_layer(self, name: str, out_features: int, in_features: int) -> None:
         check_group_size(name, in_features, self.config.group_size)
@@ -40,9 +31,4 @@ class GPTQ(Method):
     def transform_layer(self, name, weight, stats) -> LayerOutcome:
         cfg = self.config
         config = GPTQConfig(cfg.scheme(), block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order, mse=cfg.mse)
-        try:
-            result = gptq(weight, stats[Stat.HESSIAN], config)
-        except ValueError as exc:
-            raise CompressError(f"GPTQ failed on {name}: {exc}") from None
-        keys = ("error", "rel_error", "damp", "damp_retries", "dead_columns")
-        return LayerOutcome(result.weight, {k: result.stats[k] for k in keys if k in result.stats})
+        return self.solve(name, gptq, weight, stats, config, ("error", "rel_error", "damp", "damp_retries", "dead_columns"))

@@ -189,3 +189,58 @@ def test_gptq_without_calibration_is_a_clear_error(tmp_path, tiny_llama):
 def test_bad_method_option_is_a_clear_error(tmp_path, tiny_llama):
     result = invoke("quantize", tiny_llama, "-o", tmp_path / "o", "-O", "act_order")
     assert result.exit_code == 2 and "is not KEY=VALUE" in result.stderr
+
+
+@pytest.mark.parametrize("method,target", [("sparsegpt", ["--pattern", "2:4"]), ("wanda", ["--sparsity", "0.5"]),
+                                           ("magnitude", ["--pattern", "4:8"])])
+def test_prune_then_inspect_reports_sparsity(method, target, tmp_path, tiny_llama):
+    out = tmp_path / method
+    result = invoke("prune", tiny_llama, "-o", out, "--method", method, *target,
+                    "--calib", CALIB_TEXT, "--samples", "4", "--seq-len", "64")
+    assert result.exit_code == 0, result.output
+    assert "model.layers.1.mlp.down_proj  [64×128]" in result.stderr and "sparsity=0.5" in result.stderr
+    rows = json.loads((out / "compression_report.json").read_text())["layers"]
+    assert len(rows) == 14 and all(r["info"]["sparsity"] == pytest.approx(0.5, abs=1e-3) for r in rows)
+    stage = json.loads((out / "config.json").read_text())["compression"]["stages"][0]
+    assert stage["method"] == method
+    assert stage["pattern"] == (target[1] if target[0] == "--pattern" else None)
+
+    info = json.loads(invoke("inspect", out, "--json").stdout)
+    assert info["sparsity"]["zeros"] == pytest.approx(0.5, abs=1e-3)
+    expected = {"2:4": {"2:4": True, "4:8": True}, "4:8": {"2:4": False, "4:8": True}}.get(target[1], {"2:4": False, "4:8": False})
+    assert info["sparsity"]["nm"] == expected
+    assert info["sparsity"]["pattern"] == next((p for p, ok in expected.items() if ok), None)
+    assert "50.00% zeros" in invoke("inspect", out).stdout
+    original = json.loads(invoke("inspect", tiny_llama, "--json").stdout)["sparsity"]
+    assert original == {"zeros": 0.0, "nm": {"2:4": False, "4:8": False}, "pattern": None, "layers_measured": 14}
+
+
+@pytest.mark.parametrize("args,needle", [
+    (["--pattern", "2-4"], "pattern '2-4' is not N:M"),
+    (["--pattern", "4:2"], "pattern '4:2' is not N:M"),
+    (["--pattern", "2:4", "--sparsity", "0.5"], "give exactly one of sparsity"),
+    ([], "give exactly one of sparsity"),
+    (["--pattern", "3:5", "--method", "magnitude"], "N:M group size 5 does not divide in_features 64"),
+])
+def test_bad_prune_target_is_one_line_error(args, needle, tmp_path, tiny_llama):
+    result = invoke("prune", tiny_llama, "-o", tmp_path / "o", *args)
+    assert result.exit_code == 2
+    lines = [line for line in result.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and needle in lines[0], result.stderr
+    assert not (tmp_path / "o").exists()
+
+
+def test_prune_joint_quantization_keeps_pattern_and_grid(tmp_path, tiny_llama):
+    out = tmp_path / "joint"
+    result = invoke("prune", tiny_llama, "-o", out, "--pattern", "2:4", "-O", "bits=4", "-O", "group_size=32",
+                    "--calib", CALIB_TEXT, "--samples", "4", "--seq-len", "64")
+    assert result.exit_code == 0, result.output
+    from safetensors.torch import load_file
+
+    weights = load_file(out / "model.safetensors")
+    w = weights["model.layers.0.mlp.down_proj.weight"]  # [64, 128]
+    assert ((w != 0).reshape(64, -1, 4).sum(dim=2) <= 2).all()
+    groups = w.reshape(64, -1, 32)
+    assert all(len(set(g.tolist()) | {0.0}) <= 16 for row in groups for g in row)  # 4-bit symmetric grid with 0
+    stage = json.loads((out / "config.json").read_text())["compression"]["stages"][0]
+    assert (stage["method"], stage["pattern"], stage["bits"], stage["group_size"]) == ("sparsegpt", "2:4", 4, 32)

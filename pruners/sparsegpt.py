@@ -1,0 +1,150 @@
+"""SparseGPT: one-shot pruning of one linear layer with second-order weight reconstruction.
+
+Frantar, Alistarh, "SparseGPT: Massive Language Models Can Be Accurately Pruned in One-Shot",
+ICML 2023, arXiv:2301.00774.
+
+Objective. For a layer ``y = W x`` with calibration inputs ``X [in, n]`` find a sparse ``Ŵ`` (mask
+as the pattern asks) minimising ``‖WX − ŴX‖²_F = (n/2) · tr((W − Ŵ) H (W − Ŵ)ᵀ)``, ``H = 2/n · X Xᵀ``.
+
+Columns are processed left to right exactly as in GPTQ (``quantizers/gptq.py``): column ``i``'s
+pruned (and, in joint mode, rounded) weights leave an error that the Optimal Brain Surgeon update
+spreads over the columns not yet processed, ``W[:, F] −= err ⊗ U[i, F]`` with ``err = (w_i − ŵ_i) / U_ii``
+and ``U`` the upper Cholesky factor of ``H⁻¹`` (``U_ii² = [H_F⁻¹]_ii`` when ``i`` is reached). Updates
+are lazy per block of ``block_size`` columns (Algorithm 1).
+
+Mask selection (adaptive, as the paper's reference code): the OBS saliency of a weight is
+``w² / [H_F⁻¹]_ii = w² / U_ii²``.
+
+- Unstructured: at each block start, the ``round(sparsity · out · B)`` lowest saliencies of the
+  whole ``[out, B]`` block (all rows together, with all earlier blocks' updates applied) are pruned.
+- N:M: when column ``i`` starts a group of M, the ``M − N`` lowest saliencies of each row within
+  columns ``i .. i+M−1`` (with all updates so far, in-block ones included) are pruned.
+
+Joint mode (``scheme`` given): kept weights are also quantized on the shared grid (``grid``), with
+each group's grid computed as GPTQ does (from the group's columns as they are when it is reached),
+so pruning and quantization errors are both fed back in one pass (the paper's sparse + 4-bit result).
+Pruned weights are exactly zero (zero maps to the zero point on every grid).
+
+Shapes: ``weight [out, in]``, ``hessian [in, in]`` → ``PruneResult`` with ``weight``/``pruned [out, in]``
+(float32) and, in joint mode, ``quant`` (codes ``[out, in]``, scale/zero ``[out, n_groups]``).
+The inputs are not modified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compress.pruners.masks import NM, Pattern, prune_lowest_nm, prune_lowest_per_row
+from compress.pruners.result import PruneResult
+from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, quantize
+from compress.quantizers.gptq import inverse_hessian_factor
+from compress.quantizers.result import QuantResult
+
+
+@dataclass(frozen=True)
+class SparseGPTConfig:
+    """Settings of one SparseGPT run; defaults are the reference implementation's."""
+
+    pattern: Pattern  # Unstructured(sparsity) or NM(n, m)
+    block_size: int = 128  # lazy-batch column block; unstructured masks are chosen per block
+    damp: float = 0.01  # λ = damp · mean(diag H)
+    scheme: QuantScheme | None = None  # joint mode: also quantize the kept weights
+    max_damp_tries: int = 8  # retries with damp ×10 each time the Cholesky factorization fails
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if not self.damp > 0:
+            raise ValueError(f"damp must be positive, got {self.damp}")
+        if isinstance(self.pattern, NM) and self.block_size % self.pattern.m:
+            raise ValueError(f"block_size {self.block_size} must be a multiple of the N:M group size {self.pattern.m}")
+
+
+def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConfig) -> PruneResult:
+    """Prune (and in joint mode quantize) ``weight [out, in]`` with SparseGPT given ``hessian [in, in]``.
+
+    ``stats`` as GPTQ's (``damp``, ``lambda``, ``damp_retries``, ``dead_columns``, ``error`` =
+    tr((W−Ŵ) H (W−Ŵ)ᵀ), ``rel_error``) plus ``sparsity`` (fraction of exact zeros in ``Ŵ``).
+    Raises ``ValueError`` on non-finite inputs, mismatched shapes, or an unfactorizable Hessian.
+    """
+    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise ValueError(f"weight {tuple(weight.shape)} and hessian {tuple(hessian.shape)} do not match")
+    out_features, in_features = weight.shape
+    pattern, scheme = config.pattern, config.scheme
+    if isinstance(pattern, NM) and in_features % pattern.m:
+        raise ValueError(f"N:M group size {pattern.m} does not divide in_features {in_features}")
+    W = weight.detach().to(torch.float32, copy=True)
+    H = hessian.detach().to(torch.float32, copy=True)
+    if not torch.isfinite(W).all():
+        raise ValueError("weight contains NaN or inf")
+    if not torch.isfinite(H).all():
+        raise ValueError("hessian contains NaN or inf")
+
+    dead = torch.diagonal(H) == 0  # never active in calibration: zero weight, pruned first
+    H.diagonal()[dead] = 1.0
+    W[:, dead] = 0.0
+
+    if scheme is not None:
+        n_groups, width = scheme.groups(in_features), scheme.group_width(in_features)
+        scale, zero = W.new_empty(out_features, n_groups), W.new_empty(out_features, n_groups)
+        codes = torch.zeros(out_features, in_features, dtype=torch.int32, device=W.device)
+        column = QuantScheme(scheme.bits, scheme.symmetric, -1)
+
+    U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
+
+    Q = torch.zeros_like(W)
+    pruned = torch.zeros_like(W, dtype=torch.bool)
+    for i1 in range(0, in_features, config.block_size):
+        i2 = min(i1 + config.block_size, in_features)
+        W1 = W[:, i1:i2].clone()
+        Err1 = torch.zeros_like(W1)
+        U1 = U[i1:i2, i1:i2]
+        d2 = torch.diagonal(U1).square().unsqueeze(0)  # [1, B]: [H_F⁻¹]_ii when column i is reached
+        if isinstance(pattern, NM):
+            mask1 = torch.zeros_like(W1, dtype=torch.bool)
+        else:
+            saliency = W1.square() / d2
+            mask1 = prune_lowest_per_row(saliency.reshape(1, -1), pattern.sparsity).reshape(W1.shape)
+        for i in range(i2 - i1):
+            j = i1 + i
+            if isinstance(pattern, NM) and j % pattern.m == 0:
+                cols = slice(i, i + pattern.m)
+                mask1[:, cols] = prune_lowest_nm(W1[:, cols].square() / d2[:, cols], pattern.n, pattern.m)
+            w = W1[:, i : i + 1]
+            q = torch.where(mask1[:, i : i + 1], torch.zeros_like(w), w)
+            if scheme is not None:
+                g = j // width
+                if j % width == 0:  # the group's grid from its columns as they are now (as GPTQ)
+                    cols_now = W1[:, i : i + width]
+                    if j + width > i2:
+                        pending = W[:, i2 : j + width] - Err1 @ U[i1:i2, i2 : j + width]
+                        cols_now = torch.cat([cols_now, pending], dim=1)
+                    scale[:, g : g + 1], zero[:, g : g + 1] = compute_qparams(cols_now, scheme)
+                s, z = scale[:, g : g + 1], zero[:, g : g + 1]
+                codes[:, j : j + 1] = quantize(q, s, z, column)  # a pruned zero maps to the zero point
+                q = dequantize(codes[:, j : j + 1], s, z, column)
+            Q[:, j : j + 1] = q
+            err = (w - q) / U1[i, i]
+            W1[:, i + 1 :] -= err @ U1[i : i + 1, i + 1 :]
+            Err1[:, i : i + 1] = err
+        pruned[:, i1:i2] = mask1
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
+
+    # Proxy loss with the caller's Hessian (undamped): (2/n)‖(W − Ŵ)X‖² for H = 2/n X Xᵀ.
+    W0, H0 = weight.detach().float(), hessian.detach().float()
+    delta = W0 - Q
+    error = float(((delta @ H0) * delta).sum())
+    base = float(((W0 @ H0) * W0).sum())
+    stats = {
+        "sparsity": float((Q == 0).float().mean()),
+        "damp": damp,
+        "lambda": lam,
+        "damp_retries": retries,
+        "dead_columns": int(dead.sum()),
+        "error": error,
+        "rel_error": error / base if base > 0 else 0.0,
+    }
+    quant = QuantResult(Q, codes, scale, zero, scheme) if scheme is not None else None
+    return PruneResult(Q, pruned, quant, stats)
