@@ -10,15 +10,16 @@ would defeat the one-block-at-a-time memory bound. Headers are validated up fron
 is a clear error, not a crash half-way through a run.
 
 Writing: tensors are appended to a `ShardedWriter`, which flushes a shard file whenever the pending
-bytes exceed the shard size, so a finished block leaves memory as soon as it is written. A shard is
-streamed tensor by tensor (`write_safetensors`) instead of through ``safetensors.torch.save_file``,
-which first copies every tensor to ``bytes`` and so doubled the writer's peak memory.
+bytes exceed the shard size; tensors are streamed to disk as they are added, so the writer holds
+none in memory (``safetensors.torch.save_file`` needs every tensor of a shard in memory and first
+copies each to ``bytes``, which doubled the peak).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import struct
 from pathlib import Path
 
@@ -150,6 +151,22 @@ class CheckpointReader:
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}
 
 
+def _tensor_bytes(t: torch.Tensor) -> memoryview:
+    return t.contiguous().reshape(-1).view(torch.uint8).numpy().data
+
+
+def _header_bytes(entries: list[tuple[str, torch.dtype, list[int], int]], metadata: dict[str, str] | None) -> bytes:
+    """safetensors header for (name, dtype, shape, nbytes) entries laid out back to back."""
+    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
+    offset = 0
+    for name, dtype, shape, size in entries:
+        header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
+        offset += size
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    return struct.pack("<Q", len(encoded)) + encoded
+
+
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
     """Write a safetensors file, streaming each tensor's bytes without an intermediate copy.
 
@@ -157,48 +174,56 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
     each name to dtype, shape and [begin, end) data offsets (padded with spaces to a multiple of 8),
     then the tensors' bytes, row-major, in header order.
     """
-    header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
-    offset = 0
-    for name, t in tensors.items():
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": _DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
+    entries = [(n, t.dtype, list(t.shape), t.numel() * t.element_size()) for n, t in tensors.items()]
     with path.open("wb") as f:
-        f.write(struct.pack("<Q", len(encoded)))
-        f.write(encoded)
+        f.write(_header_bytes(entries, metadata))
         for t in tensors.values():
             if t.numel():
-                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                f.write(_tensor_bytes(t))
 
 
 class ShardedWriter:
-    """Writes tensors to ``model-XXXXX-of-YYYYY.safetensors`` shards plus an index, streaming."""
+    """Writes tensors to ``model-XXXXX-of-YYYYY.safetensors`` shards plus an index, streaming.
+
+    A tensor's bytes go to the current shard's data file as soon as it is added, so the writer holds
+    no tensors in memory; when the shard is full, its header is written and the data appended.
+    """
 
     def __init__(self, directory: Path, max_shard_bytes: int = 256 << 20):
         self.directory = directory
         self.max_shard_bytes = max_shard_bytes
-        self._pending: dict[str, torch.Tensor] = {}
-        self._pending_bytes = 0
+        self._entries: list[tuple[str, torch.dtype, list[int], int]] = []
+        self._data = None  # open data file of the current shard
         self._shards: list[tuple[Path, list[str]]] = []
         self.total_bytes = 0
 
+    def _data_path(self) -> Path:
+        return self.directory / f"shard-{len(self._shards):05d}.data"
+
     def add(self, name: str, tensor: torch.Tensor) -> None:
-        t = tensor.detach().to("cpu").contiguous()
-        self._pending[name] = t
-        self._pending_bytes += t.numel() * t.element_size()
-        if self._pending_bytes >= self.max_shard_bytes:
+        t = tensor.detach().to("cpu")
+        if self._data is None:
+            self._data = self._data_path().open("wb")
+        size = t.numel() * t.element_size()
+        if size:
+            self._data.write(_tensor_bytes(t))
+        self._entries.append((name, t.dtype, list(t.shape), size))
+        if self._data.tell() >= self.max_shard_bytes:
             self.flush()
 
     def flush(self) -> None:
-        if not self._pending:
+        """Finish the current shard: header, then its data copied in chunks."""
+        if self._data is None:
             return
-        path = self.directory / f"shard-{len(self._shards):05d}.tmp"
-        write_safetensors(path, self._pending, metadata={"format": "pt"})
-        self._shards.append((path, list(self._pending)))
-        self.total_bytes += self._pending_bytes
-        self._pending, self._pending_bytes = {}, 0
+        self._data.close()
+        data, path = self._data_path(), self.directory / f"shard-{len(self._shards):05d}.tmp"
+        with path.open("wb") as out, data.open("rb") as src:
+            out.write(_header_bytes(self._entries, {"format": "pt"}))
+            shutil.copyfileobj(src, out, 16 << 20)
+        data.unlink()
+        self._shards.append((path, [e[0] for e in self._entries]))
+        self.total_bytes += sum(e[3] for e in self._entries)
+        self._entries, self._data = [], None
 
     def close(self) -> list[Path]:
         """Flush and give shards their final names (a single ``model.safetensors`` if only one)."""

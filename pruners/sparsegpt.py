@@ -93,6 +93,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
         column = QuantScheme(scheme.bits, scheme.symmetric, -1)
 
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
+    del H  # damped in place and no longer needed
 
     Q = torch.zeros_like(W)
     pruned = torch.zeros_like(W, dtype=torch.bool)

@@ -115,6 +115,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         group_of = [j // width for j in range(in_features)]
 
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
+    del H  # damped in place and no longer needed: free it before the column loop
 
     Q = torch.zeros_like(W)
     codes = torch.zeros(out_features, in_features, dtype=torch.int32, device=W.device)
@@ -174,20 +175,22 @@ def inverse_hessian_factor(
 
     As the reference: ``cholesky`` → ``cholesky_inverse`` → ``cholesky(upper=True)``. When a
     factorization fails or is not finite, ``damp`` is multiplied by 10, up to ``max_retries`` times.
-    Returns ``(U, damp, λ, retries)``.
+    Returns ``(U, damp, λ, retries)``. ``H`` must be the caller's own copy: it is damped in place
+    (for a large layer every extra [in, in] copy is hundreds of MB).
     """
-    mean_diag = float(torch.diagonal(H).mean())
+    diagonal = torch.diagonal(H).clone()
+    mean_diag = float(diagonal.mean())
     for retry in range(max_retries + 1):
         rel = damp * 10**retry
         lam = rel * mean_diag
-        damped = H.clone()
-        damped.diagonal().add_(lam)
-        try:
-            U = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(damped)), upper=True)
-        except torch.linalg.LinAlgError:
+        torch.diagonal(H).copy_(diagonal + lam)
+        factor, info = torch.linalg.cholesky_ex(H)
+        if info.item() != 0:
             continue
-        if torch.isfinite(U).all():
-            return U, rel, lam, retry
+        factor = torch.cholesky_inverse(factor)
+        factor, info = torch.linalg.cholesky_ex(factor, upper=True)
+        if info.item() == 0 and torch.isfinite(factor).all():
+            return factor, rel, lam, retry
     raise ValueError(
         f"hessian is not positive definite even with damp {damp * 10**max_retries:g} "
         f"(mean diagonal {mean_diag:g}, {max_retries} retries)"
