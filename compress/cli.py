@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import logging
 import shlex
 import sys
@@ -310,9 +311,25 @@ def reference_model(
     console.print(key_value_table("reference model", rows))
 
 
+def _fix_mmap_threshold() -> None:
+    """Serve every allocation of 1 MB or more from its own mapping, returned to the OS when freed.
+
+    glibc raises its mmap threshold (up to 32 MB) after large frees; block-sized tensors then come
+    from the heap and fragment it. Measured on the 24-layer bench: RSS grew ~30 MB per block (peak
+    1.42 GiB) with the default, and stayed flat (peak 0.78 GiB) with this. A process-wide setting,
+    so the CLI (the process owner) makes it, not the library.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (malloc.h)
+        except (OSError, AttributeError):
+            pass  # not glibc
+
+
 @app.callback(invoke_without_command=True)
 def _root(version: bool = typer.Option(False, "--version", help="Show the version and exit.")) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _fix_mmap_threshold()
     if version:
         stdout.print(f"llm-compress {__version__}")
         raise typer.Exit()

@@ -106,11 +106,12 @@ def write_model_card(dst: Path, title: str, record: dict[str, Any], figures: dic
         lines += [f"| {k} | {v} |" for k, v in figures.items()]
     if record.get("command"):
         lines += ["", "Reproduce with:", "", "```", record["command"], "```"]
-    if record.get("format") == "fake-quant":
+    if record.get("format") == "dense":
         lines += [
             "",
-            "The weights are fake-quantized: each value lies on the recorded integer grid but is stored in the",
-            "checkpoint's original floating-point dtype, so any transformers-compatible loader reads it.",
+            "The weights are stored dense, in the checkpoint's original floating-point dtype, so any",
+            "transformers-compatible loader reads them: quantized weights lie exactly on the recorded integer",
+            "grid (fake-quantized), pruned weights are exact zeros.",
         ]
     lines.append("")
     (dst / "README.md").write_text("\n".join(lines))

@@ -58,7 +58,7 @@ def _record(recipe: Recipe, command: str | None) -> dict[str, Any]:
         "tool": "llm-compress",
         "tool_version": __version__,
         "source_model": str(recipe.model),
-        "format": "fake-quant",
+        "format": "dense",  # compressed values stored in the checkpoint's own dtype (packed formats: issue 6)
         "stages": stages,
         "calibration": cal.model_dump(mode="json") if cal else None,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
