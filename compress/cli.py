@@ -255,7 +255,8 @@ def _describe_compression(info: dict[str, Any]) -> str:
     record, qc = info.get("compression"), info.get("quantization_config")
     if record:
         stages = "; ".join(
-            " ".join(f"{k}={v}" for k, v in s.items() if k not in ("include", "exclude")) for s in record.get("stages", [])
+            " ".join(f"{k}={v}" for k, v in s.items() if k not in ("include", "exclude") and v is not None)
+            for s in record.get("stages", [])
         )
         return f"{record.get('format', '')} by {record.get('tool', '?')} {record.get('tool_version', '')}: {stages}"
     if qc:

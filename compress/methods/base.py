@@ -79,7 +79,7 @@ class Method:
 
     def record(self) -> dict[str, Any]:
         """What is written to the output's config.json about this method."""
-        return {"method": self.name, **self.config.model_dump(mode="json", exclude_none=True)}
+        return {"method": self.name, **self.config.model_dump(mode="json")}
 
 
 class HessianMethod(Method):
