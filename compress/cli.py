@@ -36,6 +36,16 @@ app.add_typer(eval_app, name="eval")
 
 JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON on stdout instead of tables.")
 DEVICE_OPT = typer.Option("cpu", "--device", help="Compute device: cpu or cuda.")
+# Options shared by the compressing commands (quantize, prune).
+MODEL_ARG = typer.Argument(..., help="Local Hugging Face checkpoint directory.")
+OUTPUT_OPT = typer.Option(..., "-o", "--output", help="Output directory (written atomically).")
+CALIB_OPT = typer.Option(None, "--calib", help="Calibration text: file, folder or saved dataset.")
+SAMPLES_OPT = typer.Option(128, "--samples", help="Calibration samples.")
+SEQ_LEN_OPT = typer.Option(512, "--seq-len", help="Tokens per calibration sample.")
+EXCLUDE_OPT = typer.Option([], "--exclude", help="Regex of layer names to leave alone.")
+EVAL_TEXT_OPT = typer.Option(None, "--eval-text", help="Afterwards, measure ppl and KLD vs the input on this text.")
+OVERWRITE_OPT = typer.Option(False, "--overwrite", help="Replace an existing output directory.")
+TRUST_REMOTE_CODE_OPT = typer.Option(False, "--trust-remote-code", help="Allow the checkpoint's own model code.")
 
 
 def _command_line() -> str:
@@ -109,22 +119,22 @@ def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
 @app.command()
 @user_errors
 def quantize(
-    model: Path = typer.Argument(..., help="Local Hugging Face checkpoint directory."),
-    output: Path = typer.Option(..., "-o", "--output", help="Output directory (written atomically)."),
+    model: Path = MODEL_ARG,
+    output: Path = OUTPUT_OPT,
     method: str = typer.Option("rtn", "--method", help="Quantization method (see `compress methods`)."),
     bits: int = typer.Option(4, "--bits", help="Weight bit width, 2 to 8."),
     group_size: int = typer.Option(128, "--group-size", help="Columns per scale group; -1 for per channel."),
     symmetric: bool = typer.Option(True, "--sym/--asym", help="Symmetric or asymmetric grid."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text: file, folder or saved dataset."),
-    samples: int = typer.Option(128, "--samples", help="Calibration samples."),
-    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration sample."),
+    calib: Optional[Path] = CALIB_OPT,
+    samples: int = SAMPLES_OPT,
+    seq_len: int = SEQ_LEN_OPT,
     include: list[str] = typer.Option([], "--include", help="Regex of layer names to compress (replaces the default: all block linears)."),
-    exclude: list[str] = typer.Option([], "--exclude", help="Regex of layer names to leave alone."),
+    exclude: list[str] = EXCLUDE_OPT,
     option: list[str] = typer.Option([], "-O", "--option", help="Method setting KEY=VALUE, e.g. -O act_order=true (see `compress methods`)."),
-    eval_text: Optional[Path] = typer.Option(None, "--eval-text", help="Afterwards, measure ppl and KLD vs the input on this text."),
+    eval_text: Optional[Path] = EVAL_TEXT_OPT,
     device: str = DEVICE_OPT,
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the checkpoint's own model code."),
+    overwrite: bool = OVERWRITE_OPT,
+    trust_remote_code: bool = TRUST_REMOTE_CODE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """Quantize a model's decoder-block linear layers and write a new checkpoint."""
@@ -135,21 +145,21 @@ def quantize(
 @app.command()
 @user_errors
 def prune(
-    model: Path = typer.Argument(..., help="Local Hugging Face checkpoint directory."),
-    output: Path = typer.Option(..., "-o", "--output", help="Output directory (written atomically)."),
+    model: Path = MODEL_ARG,
+    output: Path = OUTPUT_OPT,
     method: str = typer.Option("sparsegpt", "--method", help="Pruning method: sparsegpt, wanda or magnitude."),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Unstructured: fraction of weights pruned, e.g. 0.5."),
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M semi-structured: keep N of every M, e.g. 2:4."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text: file, folder or saved dataset."),
-    samples: int = typer.Option(128, "--samples", help="Calibration samples."),
-    seq_len: int = typer.Option(512, "--seq-len", help="Tokens per calibration sample."),
+    calib: Optional[Path] = CALIB_OPT,
+    samples: int = SAMPLES_OPT,
+    seq_len: int = SEQ_LEN_OPT,
     include: list[str] = typer.Option([], "--include", help="Regex of layer names to prune (replaces the default: all block linears)."),
-    exclude: list[str] = typer.Option([], "--exclude", help="Regex of layer names to leave alone."),
+    exclude: list[str] = EXCLUDE_OPT,
     option: list[str] = typer.Option([], "-O", "--option", help="Method setting KEY=VALUE, e.g. -O bits=4 (see `compress methods`)."),
-    eval_text: Optional[Path] = typer.Option(None, "--eval-text", help="Afterwards, measure ppl and KLD vs the input on this text."),
+    eval_text: Optional[Path] = EVAL_TEXT_OPT,
     device: str = DEVICE_OPT,
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the checkpoint's own model code."),
+    overwrite: bool = OVERWRITE_OPT,
+    trust_remote_code: bool = TRUST_REMOTE_CODE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """Prune a model's decoder-block linear layers (unstructured or N:M) and write a new checkpoint."""

@@ -39,7 +39,7 @@ import torch
 from compress.pruners.masks import NM, Pattern, prune_lowest_nm, prune_lowest_per_row
 from compress.pruners.result import PruneResult
 from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, quantize
-from compress.quantizers.gptq import inverse_hessian_factor
+from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor
 from compress.quantizers.result import QuantResult
 
 
@@ -54,10 +54,7 @@ class SparseGPTConfig:
     max_damp_tries: int = 8  # retries with damp ×10 each time the Cholesky factorization fails
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if not self.damp > 0:
-            raise ValueError(f"damp must be positive, got {self.damp}")
+        check_solver_settings(self.block_size, self.damp, self.max_damp_tries)
         if isinstance(self.pattern, NM) and self.block_size % self.pattern.m:
             raise ValueError(f"block_size {self.block_size} must be a multiple of the N:M group size {self.pattern.m}")
 

@@ -63,14 +63,19 @@ class GPTQConfig:
     max_damp_tries: int = 8  # retries with damp ×10 each time the Cholesky factorization fails
 
     def __post_init__(self) -> None:
-        if self.block_size < 1:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if not self.damp > 0:
-            raise ValueError(f"damp must be positive, got {self.damp}")
+        check_solver_settings(self.block_size, self.damp, self.max_damp_tries)
         if self.mse_grid < 1 or not 0 < self.mse_max_shrink <= 1:
             raise ValueError(f"bad MSE search: grid {self.mse_grid}, max_shrink {self.mse_max_shrink}")
-        if self.max_damp_tries < 0:
-            raise ValueError(f"max_damp_tries must be >= 0, got {self.max_damp_tries}")
+
+
+def check_solver_settings(block_size: int, damp: float, max_damp_tries: int) -> None:
+    """Validate the settings GPTQ and SparseGPT share (lazy-batch block, damping)."""
+    if block_size < 1:
+        raise ValueError(f"block_size must be positive, got {block_size}")
+    if not damp > 0:
+        raise ValueError(f"damp must be positive, got {damp}")
+    if max_damp_tries < 0:
+        raise ValueError(f"max_damp_tries must be >= 0, got {max_damp_tries}")
 
 
 def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> QuantResult:
