@@ -32,13 +32,19 @@ def parse_method(spec: str) -> tuple[str, dict]:
     return name, options
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def quality_parser(doc: str) -> argparse.ArgumentParser:
+    """Model, evaluation text and calibration options shared by the quality benchmarks."""
+    ap = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=REPO / "eval/assets/reference-llama")
     ap.add_argument("--text", type=Path, default=REPO / "eval/assets/shakespeare-test-slice.txt")
     ap.add_argument("--calib", type=Path, default=REPO / "eval/assets/shakespeare-calib-slice.txt")
     ap.add_argument("--samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
+    return ap
+
+
+def main() -> None:
+    ap = quality_parser(__doc__)
     ap.add_argument("--methods", default="rtn,gptq")
     ap.add_argument("--settings", default="8:128,4:-1,4:128,3:128,2:64")
     ap.add_argument("--ctx", type=int, default=512)

@@ -13,6 +13,19 @@ import typer
 from rich.table import Table
 
 from compress import __version__
+from compress.cli_options import (  # shared with the commands registered below
+    CALIB_OPT,
+    DEVICE_OPT,
+    EVAL_TEXT_OPT,
+    EXCLUDE_OPT,
+    JSON_OPT,
+    MODEL_ARG,
+    OUTPUT_OPT,
+    OVERWRITE_OPT,
+    SAMPLES_OPT,
+    SEQ_LEN_OPT,
+    TRUST_REMOTE_CODE_OPT,
+)
 from compress.console import (
     console,
     human_bytes,
@@ -34,18 +47,6 @@ app = typer.Typer(
 eval_app = typer.Typer(help="Evaluate models.", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 
-JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON on stdout instead of tables.")
-DEVICE_OPT = typer.Option("cpu", "--device", help="Compute device: cpu or cuda.")
-# Options shared by the compressing commands (quantize, prune).
-MODEL_ARG = typer.Argument(..., help="Local Hugging Face checkpoint directory.")
-OUTPUT_OPT = typer.Option(..., "-o", "--output", help="Output directory (written atomically).")
-CALIB_OPT = typer.Option(None, "--calib", help="Calibration text: file, folder or saved dataset.")
-SAMPLES_OPT = typer.Option(128, "--samples", help="Calibration samples.")
-SEQ_LEN_OPT = typer.Option(512, "--seq-len", help="Tokens per calibration sample.")
-EXCLUDE_OPT = typer.Option([], "--exclude", help="Regex of layer names to leave alone.")
-EVAL_TEXT_OPT = typer.Option(None, "--eval-text", help="Afterwards, measure ppl and KLD vs the input on this text.")
-OVERWRITE_OPT = typer.Option(False, "--overwrite", help="Replace an existing output directory.")
-TRUST_REMOTE_CODE_OPT = typer.Option(False, "--trust-remote-code", help="Allow the checkpoint's own model code.")
 
 
 def _command_line() -> str:
@@ -60,6 +61,11 @@ def _run(data: dict[str, Any], source: str, as_json: bool) -> None:
 
 def _execute(recipe, as_json: bool) -> None:
     from compress.runner import run_recipe
+
+    if recipe.distill is not None:  # distillation shows its own progress (loss, tokens/s) and summary
+        from compress.distill.cli import execute_distill
+
+        return execute_distill(recipe, as_json, _command_line())
 
     with progress_bars(not as_json) as progress:
         on_layer = None if as_json else lambda report: console.print(layer_line(report), highlight=False)
@@ -105,7 +111,11 @@ def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
     data: dict[str, Any] = {
         "model": args["model"],
         "stages": [{**stage, "include": args["include"], "exclude": args["exclude"], **_parse_options(args["option"])}],
-        "output": {"path": args["output"], "overwrite": args["overwrite"]},
+        "output": {
+            "path": args["output"],
+            "overwrite": args["overwrite"],
+            **({"format": args["output_format"]} if args.get("output_format") else {}),
+        },
         "device": args["device"],
         "trust_remote_code": args["trust_remote_code"],
     }
@@ -121,10 +131,13 @@ def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
 def quantize(
     model: Path = MODEL_ARG,
     output: Path = OUTPUT_OPT,
-    method: str = typer.Option("rtn", "--method", help="Quantization method (see `compress methods`)."),
-    bits: int = typer.Option(4, "--bits", help="Weight bit width, 2 to 8."),
-    group_size: int = typer.Option(128, "--group-size", help="Columns per scale group; -1 for per channel."),
-    symmetric: bool = typer.Option(True, "--sym/--asym", help="Symmetric or asymmetric grid."),
+    method: str = typer.Option("rtn", "--method", help="Quantization method: rtn, gptq, awq or smoothquant (see `compress methods`)."),
+    bits: Optional[int] = typer.Option(None, "--bits", help="Weight bit width, 2 to 8 (default 4)."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Columns per scale group; -1 for per channel (default 128)."),
+    symmetric: Optional[bool] = typer.Option(None, "--sym/--asym", help="Symmetric or asymmetric grid (default symmetric)."),
+    output_format: str = typer.Option(
+        "compressed-tensors", "--format", help="Output: compressed-tensors or gptq (packed), or fake (dense, dequantized)."
+    ),
     calib: Optional[Path] = CALIB_OPT,
     samples: int = SAMPLES_OPT,
     seq_len: int = SEQ_LEN_OPT,
@@ -138,7 +151,8 @@ def quantize(
     as_json: bool = JSON_OPT,
 ) -> None:
     """Quantize a model's decoder-block linear layers and write a new checkpoint."""
-    stage = {"method": method, "bits": bits, "group_size": group_size, "symmetric": symmetric}
+    grid = {"bits": bits, "group_size": group_size, "symmetric": symmetric}  # unset: the method's defaults
+    stage = {"method": method, **{key: value for key, value in grid.items() if value is not None}}
     _run_stage(locals(), stage)
 
 
@@ -240,6 +254,8 @@ def inspect(
                 "weight files": ", ".join(info["weight_files"]),
                 "sparsity": _describe_sparsity(info["sparsity"]),
                 "compression": _describe_compression(info),
+                "format": info["storage"]["format"],
+                "bits per weight": _describe_bits(info["storage"]),
             },
         )
     )
@@ -259,6 +275,16 @@ def _describe_sparsity(sparsity: dict[str, Any]) -> str:
     pattern = sparsity["pattern"]
     nm = f"{pattern} in every group of {pattern.split(':')[1]}" if pattern else "no N:M pattern"
     return f"{sparsity['zeros']:.2%} zeros in the block linear layers; {nm}"
+
+
+def _describe_bits(storage: dict[str, Any]) -> str:
+    """On-disk bits per weight of the block linear layers (codes + scales + zeros + indices)."""
+    if storage["bits_per_weight"] is None:
+        return "n/a"
+    text = f"{storage['bits_per_weight']:.3f} in the block linear layers"
+    if storage["packed_layers"]:
+        text += f" ({storage['packed_layers']} packed: {storage['packed_bits_per_weight']:.3f})"
+    return text
 
 
 def _describe_compression(info: dict[str, Any]) -> str:
@@ -344,6 +370,19 @@ def _root(version: bool = typer.Option(False, "--version", help="Show the versio
     if version:
         stdout.print(f"llm-compress {__version__}")
         raise typer.Exit()
+
+
+def _register_commands() -> None:
+    from compress.distill.cli import register as register_distill
+    from compress.export_cli import register as register_export
+    from compress.report import register as register_report
+
+    register_distill(app)
+    register_export(app)  # export, imatrix
+    register_report(app, eval_app)  # report, sweep, eval lm-eval
+
+
+_register_commands()
 
 
 def main() -> None:

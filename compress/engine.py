@@ -14,6 +14,7 @@ Only one block's weights are in compute memory at a time. The engine never tests
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import resource
 import time
@@ -25,8 +26,9 @@ from torch import nn
 
 from compress.checkpoint import ShardedWriter
 from compress.errors import CompressError
-from compress.methods.base import LayerReport, Method
-from compress.model_io import ModelHandle, get_weight
+from compress.formats.base import PackedLayer, PackFormat, has_trivial_g_idx
+from compress.methods.base import LayerOutcome, LayerReport, Method
+from compress.model_io import ModelHandle, get_weight, is_conv1d
 from compress.statistics import StatsCollector
 
 log = logging.getLogger(__name__)
@@ -100,8 +102,13 @@ class Engine:
         batch_size: int = 8,
         progress: ProgressFn | None = None,
         on_layer: LayerFn | None = None,
+        packer: PackFormat | None = None,
     ):
+        """``packer``: the output format that writes each quantized layer's codes (None: dense weights)."""
         self.handle = handle
+        self.packer = packer
+        self.packed: dict[str, PackedLayer] = {}  # layers written packed, for the format's config
+        self._outcomes: dict[str, tuple[LayerOutcome, dict | None]] = {}  # last quantizing stage per layer
         self.stages = stages
         self.device = torch.device(device)
         self.dtype = dtype
@@ -117,6 +124,7 @@ class Engine:
         for stage in self.stages:
             if not stage.layers:
                 raise CompressError(f"method {stage.method.name} selects no layers: check the include/exclude patterns")
+            stage.method.prepare(self.handle.model)
             for name, module in stage.layers.items():
                 out_features, in_features = get_weight(module).shape
                 stage.method.check_layer(name, out_features, in_features)
@@ -173,10 +181,31 @@ class Engine:
                 with StatsCollector(group, stage.method.needs) as collector:
                     if stage.method.needs:
                         self._run_block(block, inputs)
-                for report in stage.method.transform_block(block, group, collector.results()):
+                replay = lambda: self._run_block(block, inputs)  # noqa: E731 - methods that measure outputs
+                for report in stage.method.transform_block(block, group, collector.results(), replay=replay):
                     self.on_layer(report)
                     reports.append(report)
+                self._keep_outcomes(stage.method, group)
         return reports
+
+    def _keep_outcomes(self, method: Method, layers: dict[str, nn.Module]) -> None:
+        """Remember the codes of the layers ``method`` just quantized; a layer changed by a later stage
+        without new codes loses its earlier ones (it is written dense)."""
+        kept = method.take_outcomes()
+        activations = method.record().get("activations") if kept else None
+        for name in layers:
+            if name in kept:
+                outcome, acts = kept[name], activations
+                earlier = self._outcomes.get(name)
+                if acts is None and earlier is not None and earlier[1]:
+                    # Weights re-quantized after an activation-quantizing stage (SmoothQuant, then GPTQ):
+                    # the layer keeps that stage's activation quantization and static input scale.
+                    acts = earlier[1]
+                    if outcome.input_scale is None:
+                        outcome = dataclasses.replace(outcome, input_scale=earlier[0].input_scale)
+                self._outcomes[name] = (outcome, acts)
+            elif self._outcomes.pop(name, None) is not None:
+                log.warning("%s was quantized and then changed by %s: it is written dense", name, method.name)
 
     def _forward_groups(self, block: nn.Module, layers: dict[str, nn.Module], sample) -> list[dict[str, nn.Module]]:
         """Split ``layers`` into groups in the order the block calls them; layers called in a row on the
@@ -236,8 +265,39 @@ class Engine:
         return result
 
     def _write_block(self, writer: ShardedWriter, name: str, block: nn.Module, dtypes: dict[str, torch.dtype]) -> None:
+        packed = {}
+        for layer_name, module in block.named_modules():
+            if layer_name and f"{layer_name}.weight" in dtypes:
+                tensors = self._packed_tensors(f"{name}.{layer_name}", module, dtypes[f"{layer_name}.weight"])
+                if tensors is not None:
+                    packed[f"{layer_name}.weight"] = (layer_name, tensors)
         for n, p in block.named_parameters():
-            writer.add(f"{name}.{n}", p.detach().to(dtypes[n]))
+            if n in packed:
+                layer_name, tensors = packed[n]
+                for suffix, t in tensors.items():
+                    writer.add(f"{name}.{layer_name}.{suffix}", t)
+            else:
+                writer.add(f"{name}.{n}", p.detach().to(dtypes[n]))
+
+    def _packed_tensors(self, name: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+        """The packed tensors replacing ``name.weight``, or None to write it dense."""
+        entry = self._outcomes.pop(name, None)
+        if entry is None or self.packer is None:
+            return None
+        outcome, activations = entry
+        quant = outcome.quant
+        if quant is None:
+            log.warning("%s has quantized inputs but no weight codes: it is written dense (activation settings in the record)", name)
+            return None
+        if not torch.equal(get_weight(module).detach().float(), quant.weight.to(module.weight.device).float()):
+            log.warning("%s was changed after it was quantized: it is written dense (fake-quantized)", name)
+            return None
+        reason = self.packer.reason_not_packable(quant, is_conv1d(module), activations)
+        if reason is not None:
+            log.warning("%s is written dense: %s", name, reason)
+            return None
+        self.packed[name] = PackedLayer(quant.scheme, activations, quant.g_idx is not None, not has_trivial_g_idx(quant))
+        return self.packer.tensors(quant, dtype, outcome.input_scale, activations)
 
     # -- 3. everything outside the blocks ---------------------------------------------------------
     def _write_outer(self, writer: ShardedWriter) -> list[LayerReport]:
@@ -258,7 +318,10 @@ class Engine:
                 for report in method.transform_block(module, {layer_name: module}, {}):
                     self.on_layer(report)
                     reports.append(report)
-                writer.add(name, module.weight.detach().to(stored["weight"]))
+                self._keep_outcomes(method, {layer_name: module})
+                tensors = self._packed_tensors(layer_name, module, stored["weight"])
+                for suffix, t in (tensors or {"weight": module.weight.detach().to(stored["weight"])}).items():
+                    writer.add(f"{layer_name}.{suffix}", t)
                 handle.release(module, only={"weight"})
             else:
                 writer.add(name, handle.reader.get(handle.checkpoint_key(name)))

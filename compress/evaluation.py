@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 from pathlib import Path
 from typing import Callable
@@ -40,9 +41,39 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype = torch.floa
     from compress.checkpoint import CheckpointReader
 
     CheckpointReader(path)  # validates weight files (truncation) with a clear error
+    from compress.packed import detect_format, load_packed_model
+
+    if detect_format(json.loads((path / "config.json").read_text())) is not None:
+        model = load_packed_model(path, device, dtype, trust_remote_code)  # QuantLinear layers, our own loader
+        install_activation_quant(model, getattr(model.config, "compression", None))  # layers left dense
+        return model
     with _quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    install_activation_quant(model, getattr(model.config, "compression", None))
     return model.to(device).eval()
+
+
+def install_activation_quant(model, record: dict | None) -> int:
+    """Quantize the inputs of the layers a W8A8 stage recorded (``activation_layers``) in every forward
+    pass, so perplexity and KLD measure real int8-activation arithmetic. Returns the layers hooked."""
+    from compress.quantizers.activations import ActivationScheme, quantize_activations
+
+    hooked = 0
+    modules = dict(model.named_modules())
+    for stage in (record or {}).get("stages", []):
+        if "activations" not in stage:
+            continue
+        scheme = ActivationScheme.from_record(stage["activations"])
+        for name, scale in stage.get("activation_layers", {}).items():
+            module = modules.get(name)
+            if module is None or getattr(module, "quantizes_input", False):
+                continue  # packed W8A8 layers quantize their own inputs
+            value = None if scale is None else torch.tensor(scale, dtype=torch.float32)
+            module.register_forward_pre_hook(
+                lambda _m, args, scheme=scheme, value=value: (quantize_activations(args[0], scheme, value), *args[1:])
+            )
+            hooked += 1
+    return hooked
 
 
 @contextlib.contextmanager

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from compress.errors import CompressError
+from compress.packed import packed_summary
 from compress.model_io import ModelHandle, get_weight, is_conv1d, open_model, parameter_count, quantizable_layers
 from compress.pruners.masks import is_nm_sparse
 
@@ -47,6 +48,7 @@ def inspect_model(path: Path, trust_remote_code: bool = False) -> dict[str, Any]
         "sparsity": measure_sparsity(handle, layers),
         "compression": config.get("compression"),
         "quantization_config": config.get("quantization_config"),
+        "storage": packed_summary(handle, config, layers),
     }
 
 

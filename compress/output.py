@@ -101,17 +101,30 @@ def write_model_card(dst: Path, title: str, record: dict[str, Any], figures: dic
     if record.get("calibration"):
         cal = record["calibration"]
         lines += ["", f"Calibration: {cal.get('samples')} samples × {cal.get('seq_len')} tokens from `{cal.get('path')}` (seed {cal.get('seed')})."]
+    weights = sum(f.stat().st_size for f in dst.iterdir() if f.is_file() and f.name.endswith(WEIGHT_SUFFIXES))
+    figures = {**(figures or {}), **({"weights on disk": f"{weights / 1e6:.2f} MB"} if weights else {})}
     if figures:
         lines += ["", "| figure | value |", "| --- | --- |"]
         lines += [f"| {k} | {v} |" for k, v in figures.items()]
     if record.get("command"):
         lines += ["", "Reproduce with:", "", "```", record["command"], "```"]
+    if record.get("source_model"):  # the final path is the card's folder name beside the temporary one
+        lines += [
+            "", "Compare with other outputs of the same model (perplexity, KLD, size, bits per weight; one protocol):", "",
+            "```", f"compress report {title} ... --baseline {record['source_model']} --text EVAL.txt", "```",
+        ]
     if record.get("format") == "dense":
         lines += [
             "",
             "The weights are stored dense, in the checkpoint's original floating-point dtype, so any",
             "transformers-compatible loader reads them: quantized weights lie exactly on the recorded integer",
             "grid (fake-quantized), pruned weights are exact zeros.",
+        ]
+    elif record.get("format"):
+        lines += [
+            "",
+            f"Quantized layers are stored packed in the {record['format']} layout described by `quantization_config`",
+            "in config.json (other layers dense); `compress eval` and `compress inspect` read it directly.",
         ]
     lines.append("")
     (dst / "README.md").write_text("\n".join(lines))

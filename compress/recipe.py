@@ -8,7 +8,7 @@ stages:
     bits: 4
     group_size: 128
     exclude: ["mlp\\.down_proj"]   # optional include/exclude regexes on layer names
-output: {path: out/model-rtn-w4g128, overwrite: false}
+output: {path: out/model-rtn-w4g128, overwrite: false, format: compressed-tensors}  # or gptq, fake
 evaluation: {text: eval.txt, ctx: 512}                                 # optional: ppl and KLD after the run
 ```
 
@@ -24,7 +24,10 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from compress.distill.config import DistillSpec
 from compress.errors import CompressError
+from compress.export import ExportSpec
+from compress.formats.base import OutputFormat
 from compress.methods.base import Method
 from compress.registry import method_class
 
@@ -66,6 +69,10 @@ class OutputSpec(_Strict):
     path: Path
     overwrite: bool = False
     shard_size_mb: int = Field(256, ge=1)
+    format: OutputFormat = Field(
+        OutputFormat.compressed_tensors,
+        description="how quantized layers are stored: packed (compressed-tensors, gptq) or fake (dense, dequantized)",
+    )
 
 
 class EvaluationSpec(_Strict):
@@ -78,12 +85,14 @@ class EvaluationSpec(_Strict):
 
 class Recipe(_Strict):
     model: Path
-    stages: list[StageSpec] = Field(min_length=1)
+    stages: list[StageSpec] = Field(default_factory=list)
     output: OutputSpec
     calibration: CalibrationSpec | None = None
     evaluation: EvaluationSpec | None = None
     device: Device = Device.cpu
     trust_remote_code: bool = False
+    distill: DistillSpec | None = None  # after the stages (if any): distil into the compressed model
+    export: ExportSpec | None = None  # after the run: also write the output checkpoint as one GGUF file
 
     def methods(self) -> list[Method]:
         return [stage.build() for stage in self.stages]
@@ -131,11 +140,14 @@ def parse_recipe(data: Any, source: str = "recipe", lines: dict[tuple, int] | No
         loc = tuple(err["loc"])
         message = _describe(exc, ())
         if err["type"] == "extra_forbidden":
-            owner = {(): Recipe, ("calibration",): CalibrationSpec, ("output",): OutputSpec, ("evaluation",): EvaluationSpec}
+            owner = {(): Recipe, ("calibration",): CalibrationSpec, ("output",): OutputSpec, ("evaluation",): EvaluationSpec,
+                     ("distill",): DistillSpec, ("export",): ExportSpec}
             model = owner.get(loc[:-1])
             if model is not None:
                 message += f": valid keys are {_valid_keys(model)}"
         raise CompressError(f"{source}{_at_line(lines, loc)}: {message}") from None
+    if not recipe.stages and recipe.distill is None:
+        raise CompressError(f"{source}{_at_line(lines, ('stages',))}: stages: give at least one stage (or a distill section)")
     for index, stage in enumerate(recipe.stages):
         _check_stage(stage, index, source, lines)
     return recipe

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime as dt
+import json
 import logging
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -13,7 +14,9 @@ from compress.calibration import load_calibration
 from compress.checkpoint import ShardedWriter
 from compress.engine import Engine, EngineResult, LayerFn, ProgressFn, Stage
 from compress.eval.perplexity import EvalResult
+from compress.errors import CompressError
 from compress.evaluation import evaluate_checkpoint, load_tokenizer, resolve_device
+from compress.formats.base import make_format
 from compress.model_io import open_model, quantizable_layers
 from compress.output import OutputDir, copy_side_files, dir_size, write_config, write_layer_report, write_model_card
 from compress.recipe import Recipe
@@ -44,9 +47,10 @@ class RunResult:
         }
 
 
-def _record(recipe: Recipe, command: str | None) -> dict[str, Any]:
+def _record(recipe: Recipe, command: str | None, methods: list | None = None) -> dict[str, Any]:
+    """``methods``: the instances that ran (their records may hold what they learned, e.g. input scales)."""
     stages = []
-    for spec, method in zip(recipe.stages, recipe.methods()):
+    for spec, method in zip(recipe.stages, methods or recipe.methods()):
         entry = method.record()
         if spec.include:
             entry["include"] = spec.include
@@ -58,7 +62,7 @@ def _record(recipe: Recipe, command: str | None) -> dict[str, Any]:
         "tool": "llm-compress",
         "tool_version": __version__,
         "source_model": str(recipe.model),
-        "format": "dense",  # compressed values stored in the checkpoint's own dtype (packed formats: issue 6)
+        "format": "dense",  # replaced by the packed format's name when any layer is stored packed
         "stages": stages,
         "calibration": cal.model_dump(mode="json") if cal else None,
         "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
@@ -66,12 +70,36 @@ def _record(recipe: Recipe, command: str | None) -> dict[str, Any]:
     }
 
 
+def _dense_linears(handle, packed) -> list[str]:
+    """Every Linear layer of the model not stored packed (loaders must leave them dense)."""
+    from torch import nn
+
+    return [n for n, m in handle.model.named_modules() if isinstance(m, nn.Linear) and n not in packed]
+
+
+def _write_quantization_config(directory: Path, quantization_config: dict[str, Any]) -> None:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"] = quantization_config
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
 def run_recipe(
     recipe: Recipe, progress: ProgressFn | None = None, command: str | None = None, on_layer: LayerFn | None = None
 ) -> RunResult:
     """Compress ``recipe.model`` as described and write ``recipe.output.path`` atomically."""
+    if recipe.distill is not None:  # the stages (if any), then distillation into their result
+        from compress.distill.run import run_distill_recipe
+
+        return run_distill_recipe(recipe, progress, command, on_layer)
     device = resolve_device(recipe.device.value)
     handle = open_model(recipe.model, recipe.trust_remote_code)
+    if getattr(handle.config, "quantization_config", None):
+        raise CompressError(f"{recipe.model} is already quantized (quantization_config in config.json): compress the original checkpoint")
+    packer = make_format(recipe.output.format)
+    if packer is not None:
+        for method in recipe.methods():
+            packer.check_stage(method.record())
     output = OutputDir(recipe.output.path, recipe.output.overwrite, protect=recipe.model)
     block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
     stages = [
@@ -79,7 +107,9 @@ def run_recipe(
         for spec, method in zip(recipe.stages, recipe.methods())
     ]
     cal = recipe.calibration
-    engine = Engine(handle, stages, device, batch_size=cal.batch_size if cal else 8, progress=progress, on_layer=on_layer)
+    engine = Engine(
+        handle, stages, device, batch_size=cal.batch_size if cal else 8, progress=progress, on_layer=on_layer, packer=packer
+    )
     calibration = None
     if cal is not None:  # loaded even when unused, so a bad calibration set fails early and clearly
         calibration = load_calibration(cal.path, load_tokenizer(recipe.model), cal.samples, cal.seq_len, cal.seed)
@@ -93,8 +123,12 @@ def run_recipe(
         writer.close()
         copy_side_files(recipe.model, tmp)
         write_layer_report(tmp, result.layers)
-        record = _record(recipe, command)
+        record = _record(recipe, command, [stage.method for stage in stages])
+        if engine.packed:
+            record["format"] = packer.name
         write_config(recipe.model, tmp, record)
+        if engine.packed:
+            _write_quantization_config(tmp, packer.config(engine.packed, _dense_linears(handle, engine.packed)))
         evaluation = None
         figures: dict[str, Any] = {}
         if recipe.evaluation is not None:
@@ -109,4 +143,8 @@ def run_recipe(
                 "mean KLD vs original": f"{evaluation.kld:.5f}",
             }
         write_model_card(tmp, recipe.output.path.name, record, figures)
+    if recipe.export is not None:  # the finished checkpoint, also as one GGUF file
+        from compress.export import export_from_spec
+
+        export_from_spec(recipe.output.path, recipe.export, progress)
     return RunResult(recipe.output.path, result, handle.reader.total_bytes(), dir_size(recipe.output.path), evaluation)

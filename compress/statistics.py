@@ -114,3 +114,33 @@ class StatsCollector(AbstractContextManager):
 
     def results(self) -> dict[str, dict[Stat, torch.Tensor]]:
         return {name: s.result() for name, s in self.stats.items()}
+
+
+class CallRecorder(AbstractContextManager):
+    """Records every call of some modules during a forward pass: positional and keyword inputs, and
+    the first output (methods that re-run a sub-module under candidate weights, like AWQ, replay these).
+
+    Tensors are kept as they were passed (no copies): the caller owns the recording's memory.
+    """
+
+    def __init__(self, modules: dict[str, nn.Module]):
+        self.modules = modules
+        self.calls: dict[str, list[tuple[tuple, dict, torch.Tensor]]] = {name: [] for name in modules}
+        self._handles: list = []
+
+    def __enter__(self) -> "CallRecorder":
+        for name, module in self.modules.items():
+            self._handles.append(module.register_forward_hook(self._hook(name), with_kwargs=True))
+        return self
+
+    def _hook(self, name: str):
+        def hook(_module, args, kwargs, output):
+            first = output[0] if isinstance(output, (tuple, list)) else output
+            self.calls[name].append((args, dict(kwargs), first))
+
+        return hook
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()

@@ -13,10 +13,13 @@ from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, q
 from compress.quantizers.result import QuantResult
 
 
-def rtn(weight: torch.Tensor, scheme: QuantScheme) -> QuantResult:
-    """Quantize ``weight [out, in]`` to ``scheme`` by rounding to nearest. Does not modify ``weight``."""
+def rtn(weight: torch.Tensor, scheme: QuantScheme, shrink: float | torch.Tensor = 1.0) -> QuantResult:
+    """Quantize ``weight [out, in]`` to ``scheme`` by rounding to nearest. Does not modify ``weight``.
+
+    ``shrink`` (scalar or ``[out, n_groups]``, <= 1) narrows each group's range first: values beyond it
+    clip to the extreme codes (AWQ's searched clipping)."""
     w = weight.float()
-    scale, zero = compute_qparams(w, scheme)
+    scale, zero = compute_qparams(w, scheme, shrink)
     codes = quantize(w, scale, zero, scheme)
     deq = dequantize(codes, scale, zero, scheme)
     norm = torch.linalg.norm(w).item()

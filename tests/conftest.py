@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
-import pytest
-import torch
+# The kernel tests run Triton's interpreter on CPU tensors. Triton reads this when it is first imported,
+# and other tests (compressed-tensors, transformers) may import it before tests/kernels is reached.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "eval" / "assets"
@@ -76,3 +81,11 @@ def tiny_llama_config(vocab_size: int = 300, **overrides):
 def tiny_llama(tmp_path_factory, tiny_tokenizer) -> Path:
     out = tmp_path_factory.mktemp("tiny-llama")
     return save_random_model(tiny_llama_config(len(tiny_tokenizer)), out, tiny_tokenizer)
+
+
+@pytest.fixture(scope="session")
+def outlier_model(tmp_path_factory) -> Path:
+    """The reference model with activation outliers injected (same function; see eval/outliers.py)."""
+    from compress.eval.outliers import save_outlier_model
+
+    return save_outlier_model(REFERENCE_MODEL, tmp_path_factory.mktemp("outlier") / "reference-llama-outliers")

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, Callable, ClassVar
 
 import torch
 from pydantic import BaseModel, ConfigDict
 from torch import nn
 
 from compress.model_io import get_weight, set_weight
+from compress.quantizers.result import QuantResult
 from compress.statistics import Stat
 
 
@@ -30,6 +31,12 @@ class MethodConfig(BaseModel):
 class LayerOutcome:
     weight: torch.Tensor  # new weight [out, in], float32
     info: dict[str, Any] = field(default_factory=dict)
+    # The integer codes behind ``weight`` (quantizers only): what a packed output format writes.
+    quant: QuantResult | None = None
+    # Static per-tensor activation scale (W8A8), written as ``<layer>.input_scale``.
+    input_scale: torch.Tensor | None = None
+    # The method quantizes this layer's inputs (W8A8): a later stage re-quantizing the weights keeps that.
+    quantizes_input: bool = False
 
 
 @dataclass
@@ -58,6 +65,10 @@ class Method:
         collected after the groups before it were transformed (GPTQ's "true sequential")."""
         return False
 
+    def prepare(self, model: nn.Module) -> None:
+        """Learn what the method needs of the architecture (``model`` is the weightless skeleton), raising
+        `CompressError` before any work starts if it cannot run on it."""
+
     def check_layer(self, name: str, out_features: int, in_features: int) -> None:
         """Raise `CompressError` before any work starts if this layer cannot take the method."""
 
@@ -65,17 +76,35 @@ class Method:
         raise NotImplementedError
 
     def transform_block(
-        self, block: nn.Module, layers: dict[str, nn.Module], stats: dict[str, dict[Stat, torch.Tensor]]
+        self,
+        block: nn.Module,
+        layers: dict[str, nn.Module],
+        stats: dict[str, dict[Stat, torch.Tensor]],
+        replay: Callable[[], object] | None = None,
     ) -> list[LayerReport]:
-        """Transform the selected layers of one block in place; the default goes layer by layer."""
+        """Transform the selected layers of one block in place; the default goes layer by layer.
+
+        ``replay()`` runs the block on the calibration inputs again (None outside blocks), for methods
+        that measure the block's outputs under candidate weights (AWQ's scale search)."""
         reports = []
         for name, module in layers.items():
             start = time.perf_counter()
             weight = get_weight(module).detach().float()
             outcome = self.transform_layer(name, weight, stats.get(name, {}))
             set_weight(module, outcome.weight)
+            self.keep_outcome(name, outcome)
             reports.append(LayerReport(name, tuple(weight.shape), time.perf_counter() - start, outcome.info))
         return reports
+
+    def keep_outcome(self, name: str, outcome: LayerOutcome) -> None:
+        """Hand a finished layer's codes (``outcome.quant``/``input_scale``) to the engine, which packs
+        them; methods overriding `transform_block` call it for each layer they quantize."""
+        if outcome.quant is not None or outcome.input_scale is not None or outcome.quantizes_input:
+            self.__dict__.setdefault("_kept", {})[name] = outcome
+
+    def take_outcomes(self) -> dict[str, LayerOutcome]:
+        """The outcomes kept since the last call (the engine collects them after each `transform_block`)."""
+        return self.__dict__.pop("_kept", {})
 
     def record(self) -> dict[str, Any]:
         """What is written to the output's config.json about this method."""
@@ -104,4 +133,5 @@ class HessianMethod(Method):
             result = solver(weight, stats[Stat.HESSIAN], config)
         except ValueError as exc:
             raise CompressError(f"{self.label} failed on {name}: {exc}") from None
-        return LayerOutcome(result.weight, {k: result.stats[k] for k in keys if k in result.stats})
+        quant = result if isinstance(result, QuantResult) else None
+        return LayerOutcome(result.weight, {k: result.stats[k] for k in keys if k in result.stats}, quant=quant)

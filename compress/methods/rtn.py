@@ -41,4 +41,4 @@ class RTN(Method):
 
     def transform_layer(self, name, weight, stats) -> LayerOutcome:
         result = rtn(weight, self.config.scheme())
-        return LayerOutcome(result.weight, dict(result.stats))
+        return LayerOutcome(result.weight, dict(result.stats), quant=result)

@@ -1,0 +1,99 @@
+"""Encoding speed of our GGUF k-quant encoders next to llama.cpp's quantizer, on the same F16 file.
+
+    python bench/gguf_encode.py [--model eval/assets/reference-llama] [--types q4_k q6_k] [--threads 1]
+
+Writes the model as an F16 GGUF with our exporter, then
+- ours: every 2-D F16 tensor of that file, read with gguf-py, encoded with `encode_tensor`
+  (the codec time only, numpy, one process);
+- llama.cpp: ``llama_model_quantize`` (llama-cpp-python) of the same file with ``pure`` set, so every
+  matrix gets the type, with ``--threads`` threads (wall time of the call, file I/O included).
+Speed is F16 megabytes in per second. Also checks that both wrote the same bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+from compress.export import ExportConfig, export_gguf
+from compress.formats.gguf.codecs import encode_tensor
+from compress.formats.gguf.plan import FILE_TYPE, Target
+from compress.formats.gguf.sizes import GGMLType
+
+REPO = Path(__file__).resolve().parents[1]
+KINDS = {"q4_k": GGMLType.Q4_K, "q6_k": GGMLType.Q6_K, "q5_k": GGMLType.Q5_K, "q3_k": GGMLType.Q3_K, "q2_k": GGMLType.Q2_K}
+
+
+def f16_matrices(path: Path) -> list[tuple[str, np.ndarray]]:
+    from gguf import GGUFReader
+
+    out = []
+    for t in GGUFReader(str(path)).tensors:
+        if t.tensor_type.name == "F16" and len(t.shape) == 2:
+            out.append((t.name, np.array(t.data).view(np.float16).reshape(int(t.shape[1]), int(t.shape[0]))))
+    return out
+
+
+def ours(matrices, kind: GGMLType) -> tuple[float, dict[str, bytes]]:
+    start = time.perf_counter()
+    encoded = {name: encode_tensor(w.astype(np.float32), kind) for name, w in matrices}
+    return time.perf_counter() - start, {k: v.tobytes() for k, v in encoded.items()}
+
+
+def _quiet_llama_cpp():
+    """Route llama.cpp's per-tensor log lines to nowhere (they would bury the table)."""
+    import llama_cpp
+
+    @llama_cpp.llama_log_callback
+    def _drop(level, text, user_data):
+        return None
+
+    llama_cpp.llama_log_set(_drop, None)
+    return _drop  # keep a reference: the C side holds only the pointer
+
+
+def llama_cpp_quantize(src: Path, dst: Path, target: Target, threads: int) -> float:
+    import llama_cpp
+
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = FILE_TYPE[target]
+    params.pure = True
+    params.nthread = threads
+    start = time.perf_counter()
+    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
+        raise SystemExit("llama_model_quantize failed")
+    return time.perf_counter() - start
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=REPO / "eval" / "assets" / "reference-llama")
+    ap.add_argument("--types", nargs="+", default=["q4_k", "q6_k"], choices=sorted(KINDS))
+    ap.add_argument("--threads", type=int, default=1, help="llama.cpp quantize threads")
+    args = ap.parse_args()
+    from gguf import GGUFReader
+
+    keep = _quiet_llama_cpp()  # noqa: F841
+    with tempfile.TemporaryDirectory() as tmp:
+        f16 = Path(tmp) / "model-f16.gguf"
+        export_gguf(ExportConfig(args.model, f16, Target.f16))
+        matrices = f16_matrices(f16)
+        megabytes = sum(w.nbytes for _, w in matrices) / 1e6
+        print(f"model {args.model}: {len(matrices)} F16 matrices, {megabytes:.1f} MB; llama.cpp threads {args.threads}")
+        print(f"{'type':6s} {'ours MB/s':>10s} {'llama.cpp MB/s':>15s} {'ours/llama.cpp':>15s}  tensors with the same bytes")
+        for name in args.types:
+            kind, target = KINDS[name], Target(name)
+            ours_s, ours_bytes = ours(matrices, kind)
+            dst = Path(tmp) / f"llamacpp-{name}.gguf"
+            theirs_s = llama_cpp_quantize(f16, dst, target, args.threads)
+            theirs = {t.name: np.array(t.data).tobytes() for t in GGUFReader(str(dst)).tensors if t.name in ours_bytes}
+            same = sum(theirs[k] == v for k, v in ours_bytes.items())
+            print(f"{name:6s} {megabytes / ours_s:10.2f} {megabytes / theirs_s:15.2f} {theirs_s / ours_s:15.3f}  {same}/{len(ours_bytes)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,16 @@
+"""Typer options shared by the `compress` commands, in one place so every command spells them alike."""
+
+import typer
+
+JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON on stdout instead of tables.")
+DEVICE_OPT = typer.Option("cpu", "--device", help="Compute device: cpu or cuda.")
+# Options shared by the compressing commands (quantize, prune).
+MODEL_ARG = typer.Argument(..., help="Local Hugging Face checkpoint directory.")
+OUTPUT_OPT = typer.Option(..., "-o", "--output", help="Output directory (written atomically).")
+CALIB_OPT = typer.Option(None, "--calib", help="Calibration text: file, folder or saved dataset.")
+SAMPLES_OPT = typer.Option(128, "--samples", help="Calibration samples.")
+SEQ_LEN_OPT = typer.Option(512, "--seq-len", help="Tokens per calibration sample.")
+EXCLUDE_OPT = typer.Option([], "--exclude", help="Regex of layer names to leave alone.")
+EVAL_TEXT_OPT = typer.Option(None, "--eval-text", help="Afterwards, measure ppl and KLD vs the input on this text.")
+OVERWRITE_OPT = typer.Option(False, "--overwrite", help="Replace an existing output directory.")
+TRUST_REMOTE_CODE_OPT = typer.Option(False, "--trust-remote-code", help="Allow the checkpoint's own model code.")

@@ -1,0 +1,135 @@
+"""Which GGML type each tensor of a llama-family model gets, and its GGUF name.
+
+Plain types (``q4_k``, ``q8_0``, ...) put every 2-D weight, embeddings and output included, in that type:
+llama.cpp's ``llama-quantize --pure``. Mixed presets follow ``llama_tensor_get_type_impl`` in llama.cpp's
+``src/llama-quant.cpp`` for a dense, non-Falcon, non-70B model:
+
+- ``output.weight`` (or ``token_embd.weight`` when the embeddings are tied) -> Q6_K (Q8_0 if its rows
+  do not split into the base type's blocks);
+- ``attn_v``: Q3_K_M -> Q5_K for the first two layers, else Q4_K; Q4_K_M/Q5_K_M -> Q6_K on the
+  ``use_more_bits`` layers; Q4_K_S -> Q5_K for the first four;
+- ``ffn_down``: Q3_K_M -> Q5_K below n/16, else Q4_K; Q4_K_M/Q5_K_M -> Q6_K on ``use_more_bits``
+  layers; Q4_K_S -> Q5_K below n/8;
+- ``attn_output``: Q3_K_M -> Q4_K.
+
+Either way a type whose block does not divide the row length falls back as llama.cpp's
+``tensor_type_fallback`` does (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, then F16).
+1-D tensors (norms, biases) are always F32.
+"""
+
+from __future__ import annotations
+
+import re
+from enum import Enum
+
+from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
+
+G = GGMLType
+
+
+class Target(str, Enum):
+    f16 = "f16"
+    bf16 = "bf16"
+    q8_0 = "q8_0"
+    q4_0 = "q4_0"
+    q4_1 = "q4_1"
+    q5_0 = "q5_0"
+    q5_1 = "q5_1"
+    q2_k = "q2_k"
+    q3_k = "q3_k"
+    q4_k = "q4_k"
+    q5_k = "q5_k"
+    q6_k = "q6_k"
+    q3_k_m = "q3_k_m"
+    q4_k_s = "q4_k_s"
+    q4_k_m = "q4_k_m"
+    q5_k_s = "q5_k_s"
+    q5_k_m = "q5_k_m"
+
+
+BASE = {
+    Target.f16: G.F16, Target.bf16: G.BF16, Target.q8_0: G.Q8_0, Target.q4_0: G.Q4_0, Target.q4_1: G.Q4_1,
+    Target.q5_0: G.Q5_0, Target.q5_1: G.Q5_1, Target.q2_k: G.Q2_K, Target.q3_k: G.Q3_K, Target.q4_k: G.Q4_K,
+    Target.q5_k: G.Q5_K, Target.q6_k: G.Q6_K, Target.q3_k_m: G.Q3_K, Target.q4_k_s: G.Q4_K,
+    Target.q4_k_m: G.Q4_K, Target.q5_k_s: G.Q5_K, Target.q5_k_m: G.Q5_K,
+}
+PRESETS = {Target.q3_k_m, Target.q4_k_s, Target.q4_k_m, Target.q5_k_s, Target.q5_k_m}
+
+# general.file_type (llama.cpp LLAMA_FTYPE_*); a pure k-quant file is "mostly" that type (the _S id).
+FILE_TYPE = {
+    Target.f16: 1, Target.bf16: 32, Target.q8_0: 7, Target.q4_0: 2, Target.q4_1: 3, Target.q5_0: 8,
+    Target.q5_1: 9, Target.q2_k: 10, Target.q3_k: 11, Target.q4_k: 14, Target.q5_k: 16, Target.q6_k: 18,
+    Target.q3_k_m: 12, Target.q4_k_s: 14, Target.q4_k_m: 15, Target.q5_k_s: 16, Target.q5_k_m: 17,
+}
+
+FALLBACK = {G.Q2_K: G.Q4_0, G.Q3_K: G.Q4_0, G.Q4_K: G.Q5_0, G.Q5_K: G.Q5_1, G.Q6_K: G.Q8_0}
+
+# HF parameter name -> GGUF tensor name (gguf-py constants.py MODEL_TENSORS for LLAMA / QWEN2)
+_TOP = {
+    "model.embed_tokens.weight": "token_embd.weight",
+    "model.norm.weight": "output_norm.weight",
+    "lm_head.weight": "output.weight",
+}
+_BLOCK = {
+    "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
+    "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+    "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+    "mlp.down_proj": "ffn_down",
+}
+_BLOCK_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
+
+
+def gguf_name(hf_name: str) -> str | None:
+    """The GGUF tensor name of an HF llama-family parameter; None for buffers GGUF does not store."""
+    if hf_name in _TOP:
+        return _TOP[hf_name]
+    m = _BLOCK_RE.match(hf_name)
+    if m and m.group(2) in _BLOCK:
+        return f"blk.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    return None
+
+
+def use_more_bits(i_layer: int, n_layers: int) -> bool:
+    return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
+
+
+def _layer(name: str) -> int:
+    return int(name.split(".")[1])
+
+
+def _mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: int, tied: bool) -> GGMLType:
+    if name == "output.weight" or (tied and name == "token_embd.weight"):
+        return G.Q8_0 if cols % BLOCK_SIZES[base][0] else G.Q6_K
+    if name.endswith("attn_v.weight"):
+        i = _layer(name)
+        if target == Target.q3_k_m:
+            return G.Q5_K if i < 2 else G.Q4_K
+        if target in (Target.q4_k_m, Target.q5_k_m) and use_more_bits(i, n_layers):
+            return G.Q6_K
+        if target == Target.q4_k_s and i < 4:
+            return G.Q5_K
+    elif name.endswith("ffn_down.weight"):
+        i = _layer(name)
+        if target == Target.q3_k_m:
+            return G.Q5_K if i < n_layers // 16 else G.Q4_K
+        if target in (Target.q4_k_m, Target.q5_k_m) and use_more_bits(i, n_layers):
+            return G.Q6_K
+        if target == Target.q4_k_s and i < n_layers // 8:
+            return G.Q5_K
+    elif name.endswith("attn_output.weight") and target == Target.q3_k_m:
+        return G.Q4_K
+    return base
+
+
+def tensor_type(target: Target, name: str, shape: tuple[int, ...], n_layers: int, tied: bool) -> GGMLType:
+    """The GGML type of GGUF tensor ``name`` (torch ``shape``) under ``target``."""
+    if len(shape) < 2:
+        return G.F32
+    base = BASE[target]
+    kind = _mixed(target, name, base, shape[-1], n_layers, tied) if target in PRESETS else base
+    cols = shape[-1]
+    if cols % BLOCK_SIZES[kind][0]:
+        kind = FALLBACK.get(kind, kind)
+        if cols % BLOCK_SIZES[kind][0]:
+            kind = G.F16
+    return kind

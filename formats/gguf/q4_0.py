@@ -1,0 +1,50 @@
+"""Q4_0: blocks of 32 weights, one float16 scale and 4-bit codes with an implicit zero of 8 (4.5 bpw).
+
+Layout (``block_q4_0``): ``d`` (f16), ``qs[16]``: element j is ``qs[j] & 15``, element j+16 is
+``qs[j] >> 4``; ``x = d·(q − 8)``. Encoding follows ``quantize_row_q4_0_ref``: ``d = m/−8`` where m is
+the signed entry of largest magnitude, ``q = min(15, trunc(x·(1/d) + 8.5))``.
+Shapes: blocks ``[N, 32]`` float32 <-> ``[N, 18]`` uint8.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from compress.formats.gguf._common import (
+    F32, fp16_bytes, fp16_field, importance_weights, make_qx_quants, nibbles, safe_reciprocal, signed_absmax,
+)
+from compress.formats.gguf.sizes import GGMLType
+
+KIND = GGMLType.Q4_0
+
+
+def fit_grid(blocks: np.ndarray) -> np.ndarray:
+    """Per-block scale ``d`` before float16 storage, ``[N, 1]``."""
+    return (signed_absmax(blocks) / F32(-8)).astype(F32)
+
+
+def round_codes(blocks: np.ndarray, d: np.ndarray) -> np.ndarray:
+    """Codes in [0, 15] for a given per-block scale (ggml rounds with the unrounded d)."""
+    return np.clip(np.trunc(blocks * safe_reciprocal(d) + F32(8.5)), 0, 15).astype(np.uint8)
+
+
+def encode(blocks: np.ndarray) -> np.ndarray:
+    blocks = blocks.astype(F32, copy=False)
+    d = fit_grid(blocks)
+    q = round_codes(blocks, d)
+    return np.concatenate([fp16_bytes(d), nibbles(q[:, :16], q[:, 16:])], axis=1)
+
+
+def decode(data: np.ndarray) -> np.ndarray:
+    d = fp16_field(data, 0)
+    qs = data[:, 2:18]
+    q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int8) - np.int8(8)
+    return d * q.astype(F32)
+
+
+def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) -> np.ndarray:
+    """``quantize_row_q4_0_impl``: weights ``qw·sqrt(σ² + x²)`` with σ² = mean(x²) over the whole row
+    (``row_sigma2`` ``[N, 1]``), a weighted `make_qx_quants` fit; its codes are stored as they are."""
+    blocks = blocks.astype(F32, copy=False)
+    d, q = make_qx_quants(blocks, 8, importance_weights(blocks, qw, row_sigma2))
+    return np.concatenate([fp16_bytes(d), nibbles(q[:, :16], q[:, 16:])], axis=1)

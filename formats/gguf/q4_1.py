@@ -1,0 +1,50 @@
+"""Q4_1: blocks of 32 weights, float16 scale and minimum, 4-bit codes (5.0 bpw).
+
+Layout (``block_q4_1``): ``d`` (f16), ``m`` (f16), ``qs[16]`` (Q4_0's nibble order); ``x = d·q + m``.
+Encoding follows ``quantize_row_q4_1_ref``: ``d = (max − min)/15``, ``q = min(15, trunc((x − min)·(1/d)
++ 0.5))``. Shapes: blocks ``[N, 32]`` float32 <-> ``[N, 20]`` uint8.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from compress.formats.gguf._common import (
+    F32, fp16_bytes, fp16_field, importance_weights, make_qkx2_quants, nibbles, safe_reciprocal,
+)
+from compress.formats.gguf.sizes import GGMLType
+
+KIND = GGMLType.Q4_1
+
+
+def fit_grid(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block (d, min) before float16 storage, each ``[N, 1]``."""
+    lo = blocks.min(axis=1, keepdims=True)
+    return ((blocks.max(axis=1, keepdims=True) - lo) / F32(15)).astype(F32), lo
+
+
+def round_codes(blocks: np.ndarray, d: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    return np.clip(np.trunc((blocks - lo) * safe_reciprocal(d) + F32(0.5)), 0, 15).astype(np.uint8)
+
+
+def encode(blocks: np.ndarray) -> np.ndarray:
+    blocks = blocks.astype(F32, copy=False)
+    d, lo = fit_grid(blocks)
+    q = round_codes(blocks, d, lo)
+    return np.concatenate([fp16_bytes(d), fp16_bytes(lo), nibbles(q[:, :16], q[:, 16:])], axis=1)
+
+
+def decode(data: np.ndarray) -> np.ndarray:
+    d, m = fp16_field(data, 0), fp16_field(data, 2)
+    qs = data[:, 4:20]
+    q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(F32)
+    return d * q + m
+
+
+def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) -> np.ndarray:
+    """``quantize_row_q4_1_impl``: weights ``qw·sqrt(σ² + x²)`` (σ² = row mean of x²), then
+    ``make_qkx3_quants`` (36 trial scales, weighted least squares); its codes are stored as they are."""
+    blocks = blocks.astype(F32, copy=False)
+    w = importance_weights(blocks, qw, row_sigma2)
+    d, the_min, q = make_qkx2_quants(blocks, w, 15, -0.9, 0.05, 36, use_mad=False)
+    return np.concatenate([fp16_bytes(d), fp16_bytes(-the_min), nibbles(q[:, :16], q[:, 16:])], axis=1)

@@ -1,0 +1,52 @@
+"""Q5_1: blocks of 32 weights, float16 scale and minimum, 5-bit codes (6.0 bpw).
+
+Layout (``block_q5_1``): ``d`` (f16), ``m`` (f16), ``qh[4]`` (bit j = 5th bit of element j),
+``qs[16]``; ``x = d·q + m``. Encoding follows ``quantize_row_q5_1_ref``: ``d = (max − min)/31``,
+``q = trunc((x − min)·(1/d) + 0.5)``. Shapes: blocks ``[N, 32]`` float32 <-> ``[N, 24]`` uint8.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from compress.formats.gguf._common import (
+    F32, fp16_bytes, fp16_field, importance_weights, make_qkx2_quants, nibbles, safe_reciprocal,
+)
+from compress.formats.gguf.q5_0 import pack_high_bits, unpack_high_bits
+from compress.formats.gguf.sizes import GGMLType
+
+KIND = GGMLType.Q5_1
+
+
+def fit_grid(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    lo = blocks.min(axis=1, keepdims=True)
+    return ((blocks.max(axis=1, keepdims=True) - lo) / F32(31)).astype(F32), lo
+
+
+def round_codes(blocks: np.ndarray, d: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    return np.clip(np.trunc((blocks - lo) * safe_reciprocal(d) + F32(0.5)), 0, 31).astype(np.uint8)
+
+
+def encode(blocks: np.ndarray) -> np.ndarray:
+    blocks = blocks.astype(F32, copy=False)
+    d, lo = fit_grid(blocks)
+    q = round_codes(blocks, d, lo)
+    parts = [fp16_bytes(d), fp16_bytes(lo), pack_high_bits(q), nibbles(q[:, :16], q[:, 16:])]
+    return np.concatenate(parts, axis=1)
+
+
+def decode(data: np.ndarray) -> np.ndarray:
+    d, m = fp16_field(data, 0), fp16_field(data, 2)
+    qs = data[:, 8:24]
+    q = np.concatenate([qs & 15, qs >> 4], axis=1) | (unpack_high_bits(data[:, 4:8]) << 4)
+    return d * q.astype(F32) + m
+
+
+def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) -> np.ndarray:
+    """``quantize_row_q5_1_impl``: as Q4_1's with nmax 31."""
+    blocks = blocks.astype(F32, copy=False)
+    w = importance_weights(blocks, qw, row_sigma2)
+    d, the_min, q = make_qkx2_quants(blocks, w, 31, -0.9, 0.05, 36, use_mad=False)
+    q = q.astype(np.uint8)
+    parts = [fp16_bytes(d), fp16_bytes(-the_min), pack_high_bits(q), nibbles(q[:, :16], q[:, 16:])]
+    return np.concatenate(parts, axis=1)

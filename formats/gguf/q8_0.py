@@ -1,0 +1,39 @@
+"""Q8_0: blocks of 32 weights, one float16 scale and 32 signed bytes (8.5 bits per weight).
+
+Layout (``ggml-common.h`` ``block_q8_0``): ``d`` (f16), ``qs`` int8[32]; ``x = d·q``. Encoding follows
+``quantize_row_q8_0_ref``: ``d = max|x|/127``, ``q = roundf(x/d)`` (half away from zero), computed
+as ``x·(1/d)`` in float32. Shapes: blocks ``[N, 32]`` float32 <-> ``[N, 34]`` uint8.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, safe_reciprocal
+from compress.formats.gguf.sizes import GGMLType
+
+KIND = GGMLType.Q8_0
+
+
+def fit_grid(blocks: np.ndarray) -> np.ndarray:
+    """Per-block scale ``d`` before float16 storage, ``[N, 1]``."""
+    return (np.abs(blocks).max(axis=1, keepdims=True) / F32(127)).astype(F32)
+
+
+def round_codes(blocks: np.ndarray, d: np.ndarray) -> np.ndarray:
+    # C's roundf (half away from zero); floor(|v| + 0.5) would misround 0.49999997 up to 1.
+    scaled = blocks * safe_reciprocal(d)
+    mag = np.abs(scaled)
+    whole = np.floor(mag)
+    return (np.sign(scaled) * (whole + (mag - whole >= F32(0.5)))).astype(np.int8)
+
+
+def encode(blocks: np.ndarray) -> np.ndarray:
+    blocks = blocks.astype(F32, copy=False)
+    d = fit_grid(blocks)
+    return np.concatenate([fp16_bytes(d), round_codes(blocks, d).view(np.uint8)], axis=1)
+
+
+def decode(data: np.ndarray) -> np.ndarray:
+    d = fp16_field(data, 0)
+    return np.ascontiguousarray(data[:, 2:]).view(np.int8).astype(F32) * d

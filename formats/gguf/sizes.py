@@ -1,0 +1,58 @@
+"""GGML tensor types and their block geometry (the one size table every codec shares).
+
+Ids and sizes are ggml's (``ggml/include/ggml.h`` ``enum ggml_type``; ``ggml/src/ggml-common.h`` block
+structs). A tensor row of ``n`` elements of a block type is stored as ``n / block_size`` blocks of
+``type_size`` bytes each; ``n`` must be a multiple of ``block_size`` (32 for the legacy quants, 256 for
+the k-quants, ``QK_K``).
+"""
+
+from __future__ import annotations
+
+from enum import IntEnum
+
+
+class GGMLType(IntEnum):
+    F32 = 0
+    F16 = 1
+    Q4_0 = 2
+    Q4_1 = 3
+    Q5_0 = 6
+    Q5_1 = 7
+    Q8_0 = 8
+    Q2_K = 10
+    Q3_K = 11
+    Q4_K = 12
+    Q5_K = 13
+    Q6_K = 14
+    BF16 = 30
+
+
+QK_K = 256
+
+# type -> (elements per block, bytes per block)
+BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
+    GGMLType.F32: (1, 4),
+    GGMLType.F16: (1, 2),
+    GGMLType.BF16: (1, 2),
+    GGMLType.Q4_0: (32, 2 + 16),
+    GGMLType.Q4_1: (32, 2 + 2 + 16),
+    GGMLType.Q5_0: (32, 2 + 4 + 16),
+    GGMLType.Q5_1: (32, 2 + 2 + 4 + 16),
+    GGMLType.Q8_0: (32, 2 + 32),
+    GGMLType.Q2_K: (QK_K, QK_K // 16 + QK_K // 4 + 2 + 2),
+    GGMLType.Q3_K: (QK_K, QK_K // 8 + QK_K // 4 + 12 + 2),
+    GGMLType.Q4_K: (QK_K, 2 + 2 + 12 + QK_K // 2),
+    GGMLType.Q5_K: (QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),
+    GGMLType.Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
+}
+
+
+def bits_per_weight(kind: GGMLType) -> float:
+    block, size = BLOCK_SIZES[kind]
+    return 8.0 * size / block
+
+
+def row_bytes(kind: GGMLType, n: int) -> int:
+    """Bytes of one stored row of ``n`` elements (``n`` a multiple of the block size)."""
+    block, size = BLOCK_SIZES[kind]
+    return n // block * size

@@ -1,0 +1,112 @@
+"""AWQ: activation-aware weight quantization (Lin et al. 2023, arXiv:2306.00978).
+
+A few input channels matter far more than the rest because their activations are large. AWQ protects
+them without mixed precision: scale input channel ``j`` of the weights by ``s_j`` before quantizing and
+divide the activations by ``s_j`` (folded into the preceding operator), so ``Q(W·diag(s))·diag(s)⁻¹x``
+approximates ``Wx`` with a smaller relative error on the salient channels.
+
+1. Scales (paper §3.2): ``s = s_x^α`` with ``s_x`` the mean absolute activation per input channel
+   (``[in]``), normalized by ``sqrt(max(s)·min(s))``; optionally the "duo" form of AutoAWQ,
+   ``s_x^α / s_w^(1−α)`` with ``s_w`` the mean of the group-normalized ``|W|`` per column. ``α`` is
+   searched on ``n_grid`` points in ``[0, 1)`` minimizing the output error of the sub-block the layers
+   feed, measured by a caller-supplied ``loss(weights)`` on the layers' candidate (fake-quantized,
+   unscaled) weights. ``α = 0`` is plain round-to-nearest, so the search never loses to it.
+2. Clipping (AutoAWQ's ``auto_clip``): per (row, group), shrink the range to ``1 − i/n_grid`` of its
+   min-max for ``i < max_shrink·n_grid``, keeping the shrink with the smallest error of the group's
+   partial output ``Σ_k x_k w_k`` over sample tokens ``x [n_tokens, in]``.
+3. Quantize with the shared grid at that range (`compress.quantizers.rtn.rtn` with ``shrink``).
+
+Shapes: weights ``[out, in]``; ``x_mean`` ``[in]``; returned scales ``[in]``, shrink ``[out, n_groups]``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, fake_quantize, quantize
+
+
+@dataclass(frozen=True)
+class AWQConfig:
+    scheme: QuantScheme
+    n_grid: int = 20  # α candidates: 0, 1/n, ..., (n-1)/n
+    duo_scaling: bool = False
+    clip_grid: int = 20
+    max_shrink: float = 0.5  # the clipping search narrows ranges down to (1 - max_shrink)
+
+
+@dataclass
+class ScaleSearch:
+    scales: torch.Tensor  # [in], to multiply the weights' columns by (and divide the inputs by)
+    alpha: float
+    loss: float  # at the chosen α
+    rtn_loss: float  # at α = 0 (plain round-to-nearest)
+    losses: list[float] = field(default_factory=list)
+
+
+def _column_salience(weights: list[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+    """Mean over output rows of ``|w|`` normalized by its group's max: ``[in]``."""
+    w = torch.cat([x.float() for x in weights]).abs()
+    out_features, in_features = w.shape
+    g = w.reshape(out_features, -1, scheme.group_width(in_features))
+    g = g / g.amax(dim=-1, keepdim=True).clamp(min=1e-12)
+    return g.reshape(out_features, in_features).mean(dim=0)
+
+
+def candidate_scales(x_mean: torch.Tensor, alpha: float, w_mean: torch.Tensor | None = None) -> torch.Tensor:
+    x = x_mean.float().clamp(min=1e-12)
+    scales = x.pow(alpha) if w_mean is None else x.pow(alpha) / (w_mean.pow(1 - alpha) + 1e-4)
+    scales = scales.clamp(min=1e-4)
+    return scales / (scales.max() * scales.min()).sqrt()
+
+
+def search_scales(
+    x_mean: torch.Tensor,
+    weights: list[torch.Tensor],
+    loss: Callable[[list[torch.Tensor]], float],
+    config: AWQConfig,
+) -> ScaleSearch:
+    """Search ``α``; ``loss`` receives each layer's ``Q(W·s)/s`` and returns the output error."""
+    w_mean = _column_salience(weights, config.scheme) if config.duo_scaling else None
+    best = None
+    losses = []
+    for i in range(config.n_grid):
+        alpha = i / config.n_grid
+        scales = candidate_scales(x_mean, alpha, w_mean)
+        candidates = [fake_quantize(w.float() * scales, config.scheme) / scales for w in weights]
+        value = float(loss(candidates))
+        losses.append(value)
+        if best is None or value < best[0]:
+            best = (value, alpha, scales)
+    value, alpha, scales = best
+    return ScaleSearch(scales, alpha, value, losses[0], losses)
+
+
+def search_clip(weight: torch.Tensor, x: torch.Tensor, config: AWQConfig, rows_per_batch: int = 1024) -> torch.Tensor:
+    """Per (row, group) range shrink minimizing the group's partial-output error on tokens ``x [n, in]``."""
+    scheme = config.scheme
+    w = weight.float()
+    out_features, in_features = w.shape
+    width = scheme.group_width(in_features)
+    xg = x.float().reshape(-1, in_features // width, width)  # [n, G, width]
+    steps = [1 - i / config.clip_grid for i in range(int(config.max_shrink * config.clip_grid))]
+    best_shrink = torch.ones(out_features, in_features // width)
+    for start in range(0, out_features, rows_per_batch):  # bounds the [rows, G, n] partial outputs
+        rows = w[start : start + rows_per_batch]
+        reference = torch.einsum("ngk,rgk->rgn", xg, rows.reshape(rows.shape[0], -1, width))
+        best_err = None
+        for shrink in steps:
+            scale, zero = compute_qparams(rows, scheme, shrink=shrink)
+            deq = dequantize(quantize(rows, scale, zero, scheme), scale, zero, scheme)
+            out = torch.einsum("ngk,rgk->rgn", xg, deq.reshape(rows.shape[0], -1, width))
+            err = (out - reference).square().mean(dim=-1)  # [rows, G]
+            if best_err is None:
+                best_err = err
+                continue
+            better = err < best_err
+            best_err = torch.where(better, err, best_err)
+            best_shrink[start : start + rows_per_batch][better] = shrink
+    return best_shrink

@@ -1,0 +1,79 @@
+"""Our encoders against ggml's own (``ggml_quantize_chunk`` in the libggml-base that llama-cpp-python
+ships), on the same float32 input: the bytes should be the same, block for block."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install -e '.[gguf]'")
+
+from compress.formats.gguf.codecs import CODECS, decode_tensor, encode_tensor  # noqa: E402
+from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def ggml():
+    found = sorted(Path(llama_cpp.__file__).parent.rglob("libggml-base.*"))
+    if not found:
+        pytest.skip("llama-cpp-python ships no libggml-base library to call")
+    lib = ctypes.CDLL(str(found[0]))
+    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
+    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+    return lib
+
+
+def ggml_encode(lib, w: np.ndarray, kind: GGMLType, importance: np.ndarray | None = None) -> np.ndarray:
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    rows, cols = w.shape
+    block, size = BLOCK_SIZES[kind]
+    out = np.zeros((rows, cols // block * size), dtype=np.uint8)
+    lib.ggml_quantize_init(int(kind))
+    qw = None if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
+    lib.ggml_quantize_chunk(int(kind), w.ctypes.data, out.ctypes.data, 0, rows, cols, None if qw is None else qw.ctypes.data)
+    return out
+
+
+def matrices():
+    rng = np.random.default_rng(7)
+    gauss = (rng.standard_normal((96, 1024)) * 0.02).astype(np.float32)
+    gauss[3] *= 1e-3
+    gauss[5, :256] = 0
+    heavy = (rng.standard_t(3, size=(64, 512)) * 0.01).astype(np.float32)
+    skewed = (np.abs(rng.standard_normal((32, 768))) * 0.05 + 0.01).astype(np.float32)
+    return {"gaussian": gauss, "heavy-tailed": heavy, "all-positive": skewed}
+
+
+@pytest.mark.parametrize("kind", [k for k in CODECS if BLOCK_SIZES[k][0] > 1], ids=lambda k: k.name)
+def test_our_bytes_are_ggml_bytes(ggml, kind):
+    for label, w in matrices().items():
+        ours, theirs = encode_tensor(w, kind), ggml_encode(ggml, w, kind)
+        size = BLOCK_SIZES[kind][1]
+        same = (ours.reshape(-1, size) == theirs.reshape(-1, size)).all(axis=1).mean()
+        # float32 sums in ggml's order make the two agree exactly here; allow a stray near-tie
+        assert same >= 0.999, f"{label}: {same:.4%} of blocks identical"
+        cols = w.shape[1]
+        err = np.sqrt(((decode_tensor(ours, kind, cols) - w) ** 2).mean())
+        ref = np.sqrt(((decode_tensor(theirs, kind, cols) - w) ** 2).mean())
+        assert err <= ref * 1.0001, (label, err, ref)
+
+
+@pytest.mark.parametrize("kind", [k for k in CODECS if BLOCK_SIZES[k][0] > 1], ids=lambda k: k.name)
+def test_importance_weighted_bytes_are_ggml_bytes(ggml, kind):
+    """With an importance vector (an imatrix entry) ggml switches to its ``quantize_row_*_impl``
+    solvers; ours must follow, and the importance-weighted error must drop below plain rounding's."""
+    rng = np.random.default_rng(11)
+    for label, w in matrices().items():
+        importance = rng.gamma(0.5, 2.0, w.shape[1]).astype(np.float32)
+        ours, theirs = encode_tensor(w, kind, importance), ggml_encode(ggml, w, kind, importance)
+        size = BLOCK_SIZES[kind][1]
+        same = (ours.reshape(-1, size) == theirs.reshape(-1, size)).all(axis=1).mean()
+        assert same >= 0.999, f"{label}: {same:.4%} of blocks identical"
+        cols = w.shape[1]
+        weighted = np.sqrt((importance * (decode_tensor(ours, kind, cols) - w) ** 2).mean())
+        plain = np.sqrt((importance * (decode_tensor(encode_tensor(w, kind), kind, cols) - w) ** 2).mean())
+        assert weighted < plain or kind == GGMLType.Q8_0, (label, weighted, plain)

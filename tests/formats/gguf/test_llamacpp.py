@@ -1,0 +1,130 @@
+"""llama.cpp as the real consumer of our GGUF files (through llama-cpp-python).
+
+Skipped only where llama-cpp-python is not installed (it is in the ``gguf`` extra; it compiles
+llama.cpp at install time).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install -e '.[gguf]'")
+
+from compress.eval.perplexity import evaluate  # noqa: E402
+from compress.export import ExportConfig, export_gguf  # noqa: E402
+from compress.formats.gguf.plan import PRESETS, Target  # noqa: E402
+from conftest import CALIB_TEXT, EVAL_TEXT, REFERENCE_MODEL  # noqa: E402
+from gguf_reference import llamacpp_model, llamacpp_perplexity, transformers_model  # noqa: E402
+
+EVAL_TOKENS = 2048
+
+
+@pytest.fixture(scope="module")
+def eval_ids() -> list[int]:
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(REFERENCE_MODEL / "tokenizer.json"))
+    return tok.encode(EVAL_TEXT.read_text(encoding="utf-8")).ids[:EVAL_TOKENS]
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    """One export per type of the reference model, made on first use."""
+    root = tmp_path_factory.mktemp("gguf-llamacpp")
+    cache = {}
+
+    def get(target: Target):
+        if target not in cache:
+            cache[target] = root / f"ref-{target.value}.gguf"
+            export_gguf(ExportConfig(REFERENCE_MODEL, cache[target], target))
+        return cache[target]
+
+    return get
+
+
+# every plain type and one llama.cpp mix (the other mixes only combine these types differently)
+@pytest.mark.parametrize("target", [t for t in Target if t not in PRESETS] + [Target.q4_k_m], ids=lambda t: t.value)
+def test_llama_cpp_loads_generates_and_agrees_with_our_evaluator(exported, eval_ids, target):
+    """llama.cpp's perplexity of our file (its own logits, 512-token windows, no BOS) is within 0.5%
+    of our evaluator's on transformers' dequantization of the same file."""
+    path = exported(target)
+    llm = llamacpp_model(path)
+    out = llm("ROMEO:", max_tokens=16, temperature=0.0)
+    assert out["usage"]["completion_tokens"] > 0 and out["choices"][0]["text"].strip()
+    llm.close()
+    ours = evaluate(transformers_model(path), torch.tensor(eval_ids), ctx=512).perplexity
+    theirs = llamacpp_perplexity(path, eval_ids, ctx=512)
+    assert abs(theirs / ours - 1) < 0.005, (theirs, ours)
+
+
+def test_llama_cpp_tokenizes_like_the_hf_tokenizer(exported, eval_ids):
+    from tokenizers import Tokenizer
+
+    tok = Tokenizer.from_file(str(REFERENCE_MODEL / "tokenizer.json"))
+    llm = llamacpp_model(exported(Target.q8_0))
+    text = EVAL_TEXT.read_text(encoding="utf-8")[:20000]
+    ours = llm.tokenize(text.encode(), add_bos=False, special=False)
+    assert ours == tok.encode(text).ids
+    llm.close()
+
+
+@pytest.fixture(scope="module")
+def half_reference(tmp_path_factory):
+    """The reference model stored in float16, so that our encoder and llama.cpp's (which quantizes
+    from our F16 file) start from the same numbers."""
+    import shutil
+
+    from transformers import AutoModelForCausalLM
+
+    out = tmp_path_factory.mktemp("ref-f16") / "model"
+    AutoModelForCausalLM.from_pretrained(REFERENCE_MODEL, dtype=torch.float16).save_pretrained(out)
+    for f in REFERENCE_MODEL.glob("tokenizer*"):
+        shutil.copy2(f, out / f.name)
+    return out
+
+
+@pytest.mark.parametrize("target, ftype", [(Target.q4_0, 2), (Target.q2_k, 10), (Target.q4_k, 14), (Target.q6_k, 18)], ids=lambda v: getattr(v, "value", str(v)))
+def test_our_file_is_llama_quantize_output(half_reference, tmp_path, target, ftype):
+    """``llama_model_quantize --pure`` of our F16 file writes the same tensor bytes as our exporter."""
+    from gguf import GGUFReader
+
+    f16 = tmp_path / "f16.gguf"
+    export_gguf(ExportConfig(half_reference, f16, Target.f16))
+    ours = tmp_path / "ours.gguf"
+    export_gguf(ExportConfig(half_reference, ours, target))
+    theirs = tmp_path / "theirs.gguf"
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = ftype
+    params.pure = True
+    params.nthread = 2
+    assert llama_cpp.llama_model_quantize(str(f16).encode(), str(theirs).encode(), params) == 0
+    a = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(ours)).tensors}
+    b = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(theirs)).tensors}
+    assert a.keys() == b.keys()
+    assert {k: v[0] for k, v in a.items()} == {k: v[0] for k, v in b.items()}
+    differing = [k for k in a if a[k][1] != b[k][1]]
+    assert not differing, differing
+
+
+@pytest.mark.parametrize("target", [Target.q2_k, Target.q3_k], ids=lambda t: t.value)
+def test_imatrix_export_lowers_llama_cpps_perplexity(exported, tmp_path_factory, target):
+    """An imatrix from the calibration slice (``compress imatrix``, 32 windows of 512) steers the
+    rounding toward the columns that carry signal: llama.cpp's perplexity on held-out text drops
+    below plain rounding's (measured: Q2_K 65.59 -> 65.14, Q3_K 61.87 -> 61.10 on 4096 tokens)."""
+    from tokenizers import Tokenizer
+
+    from compress.imatrix import ImatrixConfig, run_imatrix
+
+    root = tmp_path_factory.getbasetemp() / "imatrix-test"
+    imatrix = root / "imatrix.gguf"
+    if not imatrix.exists():
+        root.mkdir(exist_ok=True)
+        run_imatrix(ImatrixConfig(REFERENCE_MODEL, CALIB_TEXT, imatrix, samples=32, seq_len=512))
+    weighted = root / f"ref-{target.value}-imatrix.gguf"
+    export_gguf(ExportConfig(REFERENCE_MODEL, weighted, target, imatrix=imatrix))
+    ids = Tokenizer.from_file(str(REFERENCE_MODEL / "tokenizer.json")).encode(EVAL_TEXT.read_text(encoding="utf-8")).ids[:4096]
+    plain_ppl = llamacpp_perplexity(exported(target), ids)
+    weighted_ppl = llamacpp_perplexity(weighted, ids)
+    assert weighted_ppl < plain_ppl, (weighted_ppl, plain_ppl)
