@@ -133,5 +133,5 @@ class HessianMethod(Method):
             result = solver(weight, stats[Stat.HESSIAN], config)
         except ValueError as exc:
             raise CompressError(f"{self.label} failed on {name}: {exc}") from None
-        quant = result if isinstance(result, QuantResult) else None
+        quant = result if isinstance(result, QuantResult) else getattr(result, "quant", None)  # SparseGPT joint
         return LayerOutcome(result.weight, {k: result.stats[k] for k in keys if k in result.stats}, quant=quant)
