@@ -164,6 +164,9 @@ def prune(
     method: str = typer.Option("sparsegpt", "--method", help="Pruning method: sparsegpt, wanda or magnitude."),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Unstructured: fraction of weights pruned, e.g. 0.5."),
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M semi-structured: keep N of every M, e.g. 2:4."),
+    output_format: str = typer.Option(
+        "compressed-tensors", "--format", help="Joint sparse+quantized layers (-O bits=...): compressed-tensors or gptq (packed), or fake (dense)."
+    ),
     calib: Optional[Path] = CALIB_OPT,
     samples: int = SAMPLES_OPT,
     seq_len: int = SEQ_LEN_OPT,
