@@ -18,6 +18,7 @@ from compress.cli_options import (  # shared with the commands registered below
     DEVICE_OPT,
     EVAL_TEXT_OPT,
     EXCLUDE_OPT,
+    FORMAT_OPT,
     JSON_OPT,
     MODEL_ARG,
     OUTPUT_OPT,
@@ -135,9 +136,7 @@ def quantize(
     bits: Optional[int] = typer.Option(None, "--bits", help="Weight bit width, 2 to 8 (default 4)."),
     group_size: Optional[int] = typer.Option(None, "--group-size", help="Columns per scale group; -1 for per channel (default 128)."),
     symmetric: Optional[bool] = typer.Option(None, "--sym/--asym", help="Symmetric or asymmetric grid (default symmetric)."),
-    output_format: str = typer.Option(
-        "compressed-tensors", "--format", help="Output: compressed-tensors or gptq (packed), or fake (dense, dequantized)."
-    ),
+    output_format: str = FORMAT_OPT,
     calib: Optional[Path] = CALIB_OPT,
     samples: int = SAMPLES_OPT,
     seq_len: int = SEQ_LEN_OPT,
@@ -164,9 +163,7 @@ def prune(
     method: str = typer.Option("sparsegpt", "--method", help="Pruning method: sparsegpt, wanda or magnitude."),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Unstructured: fraction of weights pruned, e.g. 0.5."),
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M semi-structured: keep N of every M, e.g. 2:4."),
-    output_format: str = typer.Option(
-        "compressed-tensors", "--format", help="Joint sparse+quantized layers (-O bits=...): compressed-tensors or gptq (packed), or fake (dense)."
-    ),
+    output_format: str = FORMAT_OPT,
     calib: Optional[Path] = CALIB_OPT,
     samples: int = SAMPLES_OPT,
     seq_len: int = SEQ_LEN_OPT,

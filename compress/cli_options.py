@@ -14,3 +14,7 @@ EXCLUDE_OPT = typer.Option([], "--exclude", help="Regex of layer names to leave 
 EVAL_TEXT_OPT = typer.Option(None, "--eval-text", help="Afterwards, measure ppl and KLD vs the input on this text.")
 OVERWRITE_OPT = typer.Option(False, "--overwrite", help="Replace an existing output directory.")
 TRUST_REMOTE_CODE_OPT = typer.Option(False, "--trust-remote-code", help="Allow the checkpoint's own model code.")
+FORMAT_OPT = typer.Option(
+    "compressed-tensors", "--format",
+    help="How quantized layers are stored: compressed-tensors or gptq (packed), or fake (dense, dequantized).",
+)

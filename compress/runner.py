@@ -47,10 +47,10 @@ class RunResult:
         }
 
 
-def _record(recipe: Recipe, command: str | None, methods: list | None = None) -> dict[str, Any]:
+def _record(recipe: Recipe, command: str | None, methods: list) -> dict[str, Any]:
     """``methods``: the instances that ran (their records may hold what they learned, e.g. input scales)."""
     stages = []
-    for spec, method in zip(recipe.stages, methods or recipe.methods()):
+    for spec, method in zip(recipe.stages, methods):
         entry = method.record()
         if spec.include:
             entry["include"] = spec.include

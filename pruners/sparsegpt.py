@@ -39,7 +39,7 @@ import torch
 from compress.pruners.masks import NM, Pattern, prune_lowest_nm, prune_lowest_per_row
 from compress.pruners.result import PruneResult
 from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, quantize
-from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor
+from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, solver_inputs
 from compress.quantizers.result import QuantResult
 
 
@@ -66,18 +66,11 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
     tr((W−Ŵ) H (W−Ŵ)ᵀ), ``rel_error``) plus ``sparsity`` (fraction of exact zeros in ``Ŵ``).
     Raises ``ValueError`` on non-finite inputs, mismatched shapes, or an unfactorizable Hessian.
     """
-    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
-        raise ValueError(f"weight {tuple(weight.shape)} and hessian {tuple(hessian.shape)} do not match")
-    out_features, in_features = weight.shape
+    W, H = solver_inputs(weight, hessian)
+    out_features, in_features = W.shape
     pattern, scheme = config.pattern, config.scheme
     if isinstance(pattern, NM) and in_features % pattern.m:
         raise ValueError(f"N:M group size {pattern.m} does not divide in_features {in_features}")
-    W = weight.detach().to(torch.float32, copy=True)
-    H = hessian.detach().to(torch.float32, copy=True)
-    if not torch.isfinite(W).all():
-        raise ValueError("weight contains NaN or inf")
-    if not torch.isfinite(H).all():
-        raise ValueError("hessian contains NaN or inf")
 
     dead = torch.diagonal(H) == 0  # never active in calibration: zero weight, pruned first
     H.diagonal()[dead] = 1.0

@@ -78,6 +78,20 @@ def check_solver_settings(block_size: int, damp: float, max_damp_tries: int) -> 
         raise ValueError(f"max_damp_tries must be >= 0, got {max_damp_tries}")
 
 
+def solver_inputs(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float32 working copies of ``weight [out, in]`` and ``hessian [in, in]`` for a second-order solver
+    (GPTQ, SparseGPT), which updates both in place; raises ``ValueError`` on mismatched or non-finite input."""
+    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
+        raise ValueError(f"weight {tuple(weight.shape)} and hessian {tuple(hessian.shape)} do not match")
+    W = weight.detach().to(torch.float32, copy=True)
+    H = hessian.detach().to(torch.float32, copy=True)
+    if not torch.isfinite(W).all():
+        raise ValueError("weight contains NaN or inf")
+    if not torch.isfinite(H).all():
+        raise ValueError("hessian contains NaN or inf")
+    return W, H
+
+
 def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> QuantResult:
     """Quantize ``weight [out, in]`` with GPTQ given ``hessian [in, in]`` (e.g. ``2/n · X Xᵀ``).
 
@@ -87,16 +101,9 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
     mismatched shapes, or a Hessian that no damping within ``max_damp_tries`` makes factorizable.
     """
     scheme = config.scheme
-    if weight.dim() != 2 or hessian.shape != (weight.shape[1], weight.shape[1]):
-        raise ValueError(f"weight {tuple(weight.shape)} and hessian {tuple(hessian.shape)} do not match")
-    out_features, in_features = weight.shape
+    W, H = solver_inputs(weight, hessian)
+    out_features, in_features = W.shape
     n_groups, width = scheme.groups(in_features), scheme.group_width(in_features)
-    W = weight.detach().to(torch.float32, copy=True)
-    H = hessian.detach().to(torch.float32, copy=True)
-    if not torch.isfinite(W).all():
-        raise ValueError("weight contains NaN or inf")
-    if not torch.isfinite(H).all():
-        raise ValueError("hessian contains NaN or inf")
 
     # Dead inputs (never active in calibration): nothing to fit, quantize the column to zero.
     dead = torch.diagonal(H) == 0
