@@ -74,6 +74,13 @@ BLOCK_MAPS: dict[str, BlockMap] = {
 }
 
 
+# The module between the last decoder block and the output layer (lm_head): the output layer's input
+# is this norm of the last block's output. Used to collect the output layer's statistics.
+FINAL_NORMS: dict[str, str] = {
+    "llama": "model.norm", "mistral": "model.norm", "qwen2": "model.norm", "qwen3": "model.norm", "gpt2": "transformer.ln_f",
+}
+
+
 def block_map(model_type: str) -> BlockMap:
     try:
         return BLOCK_MAPS[model_type]

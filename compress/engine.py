@@ -52,6 +52,7 @@ class EngineResult:
     seconds: float = 0.0
     peak_rss_bytes: int = 0
     peak_device_bytes: int | None = None
+    final_hidden: list[torch.Tensor] | None = None  # the last block's outputs, when asked for
 
 
 class _StopForward(Exception):
@@ -103,9 +104,13 @@ class Engine:
         progress: ProgressFn | None = None,
         on_layer: LayerFn | None = None,
         packer: PackFormat | None = None,
+        keep_final_hidden: bool = False,
     ):
-        """``packer``: the output format that writes each quantized layer's codes (None: dense weights)."""
+        """``packer``: the output format that writes each quantized layer's codes (None: dense weights).
+        ``keep_final_hidden``: return the compressed last block's outputs on the calibration data (the
+        output layer's inputs, before the final norm), for a caller calibrating the output layer."""
         self.handle = handle
+        self.keep_final_hidden = keep_final_hidden
         self.packer = packer
         self.packed: dict[str, PackedLayer] = {}  # layers written packed, for the format's config
         self._outcomes: dict[str, tuple[LayerOutcome, dict | None]] = {}  # last quantizing stage per layer
@@ -250,13 +255,15 @@ class Engine:
             block, name = blocks[i], self._block_names[i]
             original = self.handle.materialize(block, name, self.device, self.dtype)
             result.layers += self._compress_block(i, inputs)
-            if self.needs_data and i + 1 < len(blocks):
+            if self.needs_data and (i + 1 < len(blocks) or self.keep_final_hidden):
                 outputs = self._run_block(block, inputs)
                 inputs = [(out, args, kwargs) for out, (_, args, kwargs) in zip(outputs, inputs)]
             self._write_block(writer, name, block, original)
             self.handle.release(block)
             self.progress("blocks", i + 1, len(blocks))
         result.layers += self._write_outer(writer)
+        if self.keep_final_hidden and self.needs_data:
+            result.final_hidden = [h for h, _, _ in inputs]
         result.blocks = len(blocks)
         result.seconds = time.perf_counter() - start
         result.peak_rss_bytes = peak_rss_bytes()

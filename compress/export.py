@@ -13,20 +13,22 @@ What is written (ggml ``docs/gguf.md``; llama.cpp ``conversion/llama.py``, ``con
 
 With an imatrix file (llama.cpp's format, e.g. from `compress imatrix`), each weight with an entry is
 rounded by ggml's importance-weighted quantizers (``llama-quantize --imatrix``), and the file records
-``quantize.imatrix.*`` as llama-quantize does.
+``quantize.imatrix.*`` as llama-quantize does. ``encoded`` hands in tensors already in their GGUF type
+(GPTQ's result, `compress.export_calibrated`): they are written as they are (Q/K rows permuted).
 
 The file is written under a temporary name next to the output and renamed when complete.
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Callable, Literal, Mapping
 
 import numpy as np
 import torch
@@ -47,6 +49,19 @@ ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
 PERMUTED_ARCHS = {"llama"}  # GGML's llama uses interleaved (NORM) RoPE; qwen2 uses NEOX like HF
 
 
+class GGUFMethod(str, enum.Enum):
+    """How the GGUF weights are rounded."""
+
+    rtn = "rtn"  # ggml's reference rounding (llama-quantize without an imatrix)
+    imatrix = "imatrix"  # ggml's importance-weighted rounding (llama-quantize --imatrix)
+    gptq = "gptq"  # GPTQ in the GGML block grids, calibrated (compress.export_calibrated)
+    awq = "awq"  # AWQ scales searched against the GGML round trip, then ggml's rounding
+
+    @property
+    def calibrated(self) -> bool:
+        return self in (GGUFMethod.gptq, GGUFMethod.awq)
+
+
 @dataclass(frozen=True)
 class ExportConfig:
     model: Path
@@ -54,6 +69,7 @@ class ExportConfig:
     target: Target = Target.q8_0
     overwrite: bool = False
     imatrix: Path | None = None  # llama.cpp imatrix GGUF: importance-weighted rounding, as llama-quantize --imatrix
+    imatrix_source: str | None = None  # recorded as quantize.imatrix.file instead of the path (a collected, temporary one)
 
     def __post_init__(self):
         if not isinstance(self.target, Target):
@@ -174,16 +190,28 @@ def _tensor_plan(reader: CheckpointReader, config: dict, target: Target) -> list
     return sorted(entries, key=order)
 
 
-def export_gguf(config: ExportConfig, progress: Callable[[str, int, int], None] | None = None) -> ExportResult:
-    """Write ``config.model`` as a GGUF file at ``config.output``; see the module docstring."""
+def check_output(config: ExportConfig) -> None:
+    if config.output.exists() and not config.overwrite:
+        raise CompressError(f"{config.output} exists: pass --overwrite to replace it, or choose another -o")
+
+
+def export_gguf(
+    config: ExportConfig,
+    progress: Callable[[str, int, int], None] | None = None,
+    encoded: Mapping[str, tuple[GGMLType, np.ndarray]] | None = None,
+) -> ExportResult:
+    """Write ``config.model`` as a GGUF file at ``config.output``; see the module docstring.
+
+    ``encoded``: HF layer name (without ``.weight``) -> (type, ``[out, row_bytes]`` bytes) to write as
+    they are; each must have the type the plan gives that tensor."""
     import gguf
 
     start = time.perf_counter()
     hf = _read_config(config.model)
     arch = ARCHITECTURES[hf["model_type"]]
     out = config.output
-    if out.exists() and not config.overwrite:
-        raise CompressError(f"{out} exists: pass --overwrite to replace it, or choose another -o")
+    check_output(config)
+    encoded = encoded or {}
     reader = CheckpointReader(config.model)
     entries = _tensor_plan(reader, hf, config.target)
     imatrix = read_imatrix(config.imatrix) if config.imatrix is not None else None
@@ -197,7 +225,7 @@ def export_gguf(config: ExportConfig, progress: Callable[[str, int, int], None] 
         vocab = add_vocab(writer, config.model, hf["vocab_size"])
         result.notes.extend(vocab.notes)
         if imatrix is not None:  # the keys llama-quantize records
-            writer.add_string("quantize.imatrix.file", str(config.imatrix))
+            writer.add_string("quantize.imatrix.file", config.imatrix_source or str(config.imatrix))
             if imatrix.datasets:
                 writer.add_string("quantize.imatrix.dataset", imatrix.datasets[0])
             writer.add_int32("quantize.imatrix.entries_count", len(imatrix.entries))
@@ -215,12 +243,21 @@ def export_gguf(config: ExportConfig, progress: Callable[[str, int, int], None] 
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for i, (name, gname, kind, shape) in enumerate(entries):
-            w = reader.get(name).to(torch.float32)
+            given = encoded.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+            if given is not None:
+                if given[0] != kind or given[1].shape != (shape[0], row_bytes(kind, shape[-1])):
+                    raise CompressError(f"{name}: calibrated as {given[0].name} but the plan gives {kind.name}: rerun the export")
+                w = torch.from_numpy(given[1])  # rows of bytes permute like rows of weights
+            else:
+                w = reader.get(name).to(torch.float32)
             if arch in PERMUTED_ARCHS and gname.startswith("blk.") and gname.split(".")[2] in ("attn_q", "attn_k"):
                 w = permute_rope(w, heads if gname.split(".")[2] == "attn_q" else kv_heads)
-            entry = imatrix.entries.get(gname) if imatrix is not None and len(shape) > 1 else None
-            data = encode_tensor(w.numpy(), kind, entry.importance() if entry is not None else None)
-            writer.write_tensor_data(data.reshape(-1))
+            if given is not None:
+                data = w.numpy()
+            else:
+                entry = imatrix.entries.get(gname) if imatrix is not None and len(shape) > 1 else None
+                data = encode_tensor(w.numpy(), kind, entry.importance() if entry is not None else None)
+            writer.write_tensor_data(np.ascontiguousarray(data).reshape(-1))
             if progress:
                 progress("writing tensors", i + 1, len(entries))
         writer.close()
@@ -242,22 +279,34 @@ class ExportSpec(BaseModel):
     export: {path: out/model-q4_k_m.gguf, type: q4_k_m, method: imatrix, imatrix: imatrix.gguf, overwrite: true}
     ```
     The stages must leave a dense checkpoint (``output.format: fake``) for the GGUF encoders to round.
+    ``method: gptq`` or ``awq`` calibrate on the recipe's ``calibration`` section.
     """
 
     model_config = ConfigDict(extra="forbid")
     path: Path
     format: Literal["gguf"] = "gguf"
     type: Target = Target.q8_0
-    method: Literal["rtn", "imatrix"] = "rtn"
+    method: GGUFMethod = GGUFMethod.rtn
     imatrix: Path | None = None
     overwrite: bool = False
 
     @model_validator(mode="after")
     def _imatrix_matches_method(self):
-        if (self.method == "imatrix") != (self.imatrix is not None):
+        if (self.method == GGUFMethod.imatrix) != (self.imatrix is not None):
             raise ValueError("method imatrix needs an imatrix file (and only it takes one)")
         return self
 
 
-def export_from_spec(model: Path, spec: ExportSpec, progress: Callable[[str, int, int], None] | None = None) -> ExportResult:
-    return export_gguf(ExportConfig(model, spec.path, spec.type, spec.overwrite, spec.imatrix), progress)
+def export_from_spec(
+    model: Path, spec: ExportSpec, progress: Callable[[str, int, int], None] | None = None, calibration=None, device: str = "cpu"
+) -> ExportResult:
+    """``calibration``: the recipe's `CalibrationSpec`, for the calibrated methods."""
+    config = ExportConfig(model, spec.path, spec.type, spec.overwrite, spec.imatrix)
+    if not spec.method.calibrated:
+        return export_gguf(config, progress)
+    from compress.export_calibrated import Calibration, export_calibrated
+
+    if calibration is None:
+        raise CompressError(f"export method {spec.method.value} needs calibration data: add a calibration section")
+    cal = Calibration(calibration.path, calibration.samples, calibration.seq_len, calibration.seed, calibration.batch_size, device)
+    return export_calibrated(config, spec.method, cal, progress)

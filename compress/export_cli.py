@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from compress.cli_options import JSON_OPT, MODEL_ARG, SAMPLES_OPT, SEQ_LEN_OPT
+from compress.cli_options import DEVICE_OPT, JSON_OPT, MODEL_ARG, SAMPLES_OPT, SEQ_LEN_OPT
 from compress.console import console, human_bytes, key_value_table, print_json, progress_bars, user_errors
 
 
@@ -20,11 +20,16 @@ def export_command(
         help="GGML type for every weight matrix (f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k) "
         "or a llama.cpp mix (q3_k_m q4_k_s q4_k_m q5_k_s q5_k_m).",
     ),
-    method: str = typer.Option("rtn", "--method", help="rtn (ggml's reference rounding) or imatrix (importance-weighted, as llama-quantize --imatrix)."),
+    method: str = typer.Option(
+        "rtn", "--method",
+        help="rtn (ggml's reference rounding), imatrix (importance-weighted, as llama-quantize --imatrix), "
+        "gptq (GPTQ solved in the GGUF blocks, needs --calib) or awq (AWQ scales, then ggml's rounding; needs --calib).",
+    ),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="llama.cpp imatrix GGUF file for --method imatrix."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="--method imatrix without --imatrix: collect one from this text first."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text for gptq/awq, or for imatrix without --imatrix."),
     samples: int = SAMPLES_OPT,
     seq_len: int = SEQ_LEN_OPT,
+    device: str = DEVICE_OPT,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
     as_json: bool = JSON_OPT,
 ) -> None:
@@ -32,7 +37,7 @@ def export_command(
     import tempfile
 
     from compress.errors import CompressError
-    from compress.export import ExportConfig, export_gguf
+    from compress.export import ExportConfig, GGUFMethod, export_gguf
     from compress.formats.gguf.plan import Target
 
     if output_format != "gguf":
@@ -41,19 +46,32 @@ def export_command(
         target = Target(gguf_type.lower())
     except ValueError:
         raise CompressError(f"unknown GGUF type {gguf_type!r}: choose one of {', '.join(t.value for t in Target)}") from None
-    if method not in ("rtn", "imatrix"):
-        raise CompressError(f"unknown GGUF export method {method!r}: use rtn or imatrix (gptq and awq are not implemented yet)")
-    if method == "rtn" and (imatrix is not None or calib is not None):
-        raise CompressError("--imatrix/--calib need --method imatrix: add it, or drop them for plain rounding")
-    if method == "imatrix" and (imatrix is None) == (calib is None):
+    try:
+        kind = GGUFMethod(method.lower())
+    except ValueError:
+        raise CompressError(f"unknown GGUF export method {method!r}: use one of {', '.join(m.value for m in GGUFMethod)}") from None
+    if kind != GGUFMethod.imatrix and imatrix is not None:
+        raise CompressError("--imatrix needs --method imatrix: add it, or drop --imatrix")
+    if kind == GGUFMethod.rtn and calib is not None:
+        raise CompressError("--calib needs --method imatrix, gptq or awq: add one, or drop --calib for plain rounding")
+    if kind == GGUFMethod.imatrix and (imatrix is None) == (calib is None):
         raise CompressError("--method imatrix needs exactly one of --imatrix FILE or --calib TEXT")
+    if kind.calibrated and calib is None:
+        raise CompressError(f"--method {kind.value} needs calibration text: add --calib PATH")
     with progress_bars(not as_json) as progress, tempfile.TemporaryDirectory() as scratch:
-        if calib is not None:
-            from compress.imatrix import ImatrixConfig, run_imatrix
+        config = ExportConfig(model, output, target, overwrite)
+        if kind.calibrated:
+            from compress.export_calibrated import Calibration, export_calibrated
 
-            imatrix = Path(scratch) / "imatrix.gguf"
-            run_imatrix(ImatrixConfig(model, calib, imatrix, samples, seq_len), progress)
-        result = export_gguf(ExportConfig(model, output, target, overwrite, imatrix), progress)
+            result = export_calibrated(config, kind, Calibration(calib, samples, seq_len, device=device), progress)
+        else:
+            if calib is not None:
+                from compress.imatrix import ImatrixConfig, run_imatrix
+
+                imatrix = Path(scratch) / "imatrix.gguf"
+                run_imatrix(ImatrixConfig(model, calib, imatrix, samples, seq_len), progress)
+            source = f"collected from {calib}" if calib is not None else None
+            result = export_gguf(ExportConfig(model, output, target, overwrite, imatrix, source), progress)
     if as_json:
         print_json(result.to_dict())
         return

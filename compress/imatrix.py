@@ -82,6 +82,6 @@ def run_imatrix(config: ImatrixConfig, progress: Callable[[str, int, int], None]
     if not entries:
         raise CompressError(f"no llama-family linear layers found in {config.model}: imatrix supports llama, mistral and qwen2")
     config.output.parent.mkdir(parents=True, exist_ok=True)
-    write_imatrix(config.output, Imatrix(entries, [config.calib.name], windows.shape[0], windows.shape[1]))
+    write_imatrix(config.output, Imatrix(entries, [str(config.calib)], windows.shape[0], windows.shape[1]))
     return {"output": str(config.output), "entries": len(entries), "chunks": int(windows.shape[0]),
             "chunk_size": int(windows.shape[1]), "seconds": round(time.perf_counter() - start, 3)}

@@ -150,6 +150,9 @@ def parse_recipe(data: Any, source: str = "recipe", lines: dict[tuple, int] | No
         raise CompressError(f"{source}{_at_line(lines, ('stages',))}: stages: give at least one stage (or a distill section)")
     for index, stage in enumerate(recipe.stages):
         _check_stage(stage, index, source, lines)
+    if recipe.export is not None and recipe.export.method.calibrated and recipe.calibration is None:
+        where = _at_line(lines, ("export", "method"))
+        raise CompressError(f"{source}{where}: export.method {recipe.export.method.value} needs calibration data: add a calibration section")
     return recipe
 
 

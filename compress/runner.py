@@ -146,5 +146,5 @@ def run_recipe(
     if recipe.export is not None:  # the finished checkpoint, also as one GGUF file
         from compress.export import export_from_spec
 
-        export_from_spec(recipe.output.path, recipe.export, progress)
+        export_from_spec(recipe.output.path, recipe.export, progress, recipe.calibration, recipe.device.value)
     return RunResult(recipe.output.path, result, handle.reader.total_bytes(), dir_size(recipe.output.path), evaluation)

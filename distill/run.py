@@ -184,7 +184,7 @@ def run_distill_recipe(recipe, progress=None, command: str | None = None, on_lay
         staging = recipe.output.path.parent / f".{recipe.output.path.name}.compressed"
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
-            stage_recipe = recipe.model_copy(update={"distill": None, "evaluation": None,
+            stage_recipe = recipe.model_copy(update={"distill": None, "evaluation": None, "export": None,
                                                      "output": recipe.output.model_copy(update={"path": staging, "overwrite": True})})
             compression = run_recipe(stage_recipe, progress, command, on_layer)
         accelerator.wait_for_everyone()
@@ -196,4 +196,8 @@ def run_distill_recipe(recipe, progress=None, command: str | None = None, on_lay
         if staging is not None and accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
     result.compression = compression
+    if recipe.export is not None and accelerator.is_main_process:  # the distilled checkpoint, as one GGUF file
+        from compress.export import export_from_spec
+
+        export_from_spec(recipe.output.path, recipe.export, progress, recipe.calibration, recipe.device.value)
     return result

@@ -68,15 +68,21 @@ def search_scales(
     weights: list[torch.Tensor],
     loss: Callable[[list[torch.Tensor]], float],
     config: AWQConfig,
+    quantizers: list[Callable[[torch.Tensor], torch.Tensor] | None] | None = None,
 ) -> ScaleSearch:
-    """Search ``α``; ``loss`` receives each layer's ``Q(W·s)/s`` and returns the output error."""
+    """Search ``α``; ``loss`` receives each layer's ``Q(W·s)/s`` and returns the output error.
+
+    ``Q`` is the shared grid of ``config.scheme`` unless ``quantizers`` gives a layer its own round trip
+    (``w -> dequantize(quantize(w))``, e.g. a GGUF block type)."""
     w_mean = _column_salience(weights, config.scheme) if config.duo_scaling else None
+    default = lambda w: fake_quantize(w, config.scheme)  # noqa: E731
+    quantizers = [q or default for q in (quantizers or [None] * len(weights))]
     best = None
     losses = []
     for i in range(config.n_grid):
         alpha = i / config.n_grid
         scales = candidate_scales(x_mean, alpha, w_mean)
-        candidates = [fake_quantize(w.float() * scales, config.scheme) / scales for w in weights]
+        candidates = [quant(w.float() * scales) / scales for w, quant in zip(weights, quantizers)]
         value = float(loss(candidates))
         losses.append(value)
         if best is None or value < best[0]:

@@ -88,13 +88,23 @@ class AWQ(Method):
                 if rel in samples:
                     shrink = search_clip(weight, samples[rel].to(weight.device), config)
                     info[rel]["mean_clip"] = round(float(torch.as_tensor(shrink).mean()), 4)
-                result = rtn(weight, config.scheme, shrink)
-                set_weight(module, result.weight)
-                self.keep_outcome(full, LayerOutcome(result.weight, info[rel], quant=result))
-                reports.append(LayerReport(full, tuple(weight.shape), 0.0, {**info[rel], **result.stats}))
+                new_weight, quant = self.finish_layer(full, weight, shrink)
+                set_weight(module, new_weight)
+                if quant is not None:
+                    self.keep_outcome(full, LayerOutcome(new_weight, info[rel], quant=quant))
+                reports.append(LayerReport(full, tuple(weight.shape), 0.0, {**info[rel], **(quant.stats if quant else {})}))
         for report in reports:  # one search serves the whole block: share its time evenly
             report.seconds = (time.perf_counter() - start) / len(reports)
         return reports
+
+    def round_trip(self, name: str):
+        """The quantizer the scale search uses for layer ``name`` (None: the configured integer grid)."""
+        return None
+
+    def finish_layer(self, name: str, weight: torch.Tensor, shrink):
+        """Quantize a scaled (and clipped) layer: its new weight and codes."""
+        result = rtn(weight, self._awq_config().scheme, shrink)
+        return result.weight, result
 
     def _scale_groups(self, block, groups, stats, selected, replay, config, info) -> None:
         inspected = {
@@ -124,7 +134,8 @@ class AWQ(Method):
                     set_weight(module, w)
                 return _output_error(calls, run)
 
-            search = search_scales(x_mean.to(originals[0].device), originals, loss, config)
+            quantizers = [self.round_trip(selected[n]) if n in selected else None for n in group.layers]
+            search = search_scales(x_mean.to(originals[0].device), originals, loss, config, quantizers)
             for module, w in zip(layers, originals):
                 set_weight(module, w)
             fold_scales(prev, layers, search.scales.to(originals[0].device))

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
 
 import torch
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from compress.model_io import get_weight, set_weight
@@ -25,6 +25,14 @@ class MethodConfig(BaseModel):
     """Base for every method's typed configuration: unknown keys are errors."""
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class SolverConfig(MethodConfig):
+    """Settings shared by the second-order solvers (GPTQ, SparseGPT, GPTQ in GGUF grids)."""
+
+    block_size: int = Field(128, ge=1, description="columns per lazy-batch block")
+    damp: float = Field(0.01, gt=0, description="dampening, as a fraction of the mean Hessian diagonal")
+    true_sequential: bool = Field(True, description="solve q/k/v, o, gate/up, down in turn, each on updated inputs")
 
 
 @dataclass

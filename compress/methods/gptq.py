@@ -4,18 +4,15 @@ from __future__ import annotations
 
 from pydantic import Field
 
-from compress.methods.base import HessianMethod, LayerOutcome
+from compress.methods.base import HessianMethod, LayerOutcome, SolverConfig
 from compress.methods.rtn import WeightQuantConfig, check_group_size
 from compress.quantizers.gptq import GPTQConfig, gptq
 from compress.registry import register_method
 
 
-class GPTQMethodConfig(WeightQuantConfig):
-    block_size: int = Field(128, ge=1, description="columns per lazy-batch block")
-    damp: float = Field(0.01, gt=0, description="dampening, as a fraction of the mean Hessian diagonal")
+class GPTQMethodConfig(WeightQuantConfig, SolverConfig):
     act_order: bool = Field(False, description="process columns by decreasing Hessian diagonal (static groups)")
     mse: bool = Field(False, description="search each group's clipping range for the lowest weight error")
-    true_sequential: bool = Field(True, description="quantize q/k/v, o, gate/up, down in turn, each on updated inputs")
 
 
 @register_method("gptq")

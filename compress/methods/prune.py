@@ -12,7 +12,7 @@ from typing import Optional
 from pydantic import Field, field_validator, model_validator
 
 from compress.errors import CompressError
-from compress.methods.base import HessianMethod, LayerOutcome, Method, MethodConfig
+from compress.methods.base import HessianMethod, LayerOutcome, Method, MethodConfig, SolverConfig
 from compress.methods.rtn import check_group_size
 from compress.pruners.magnitude import MagnitudeConfig, magnitude
 from compress.pruners.masks import NM, Pattern, Unstructured
@@ -87,10 +87,7 @@ class Wanda(_Pruner):
         return LayerOutcome(result.weight, dict(result.stats))
 
 
-class SparseGPTMethodConfig(PruneConfig):
-    block_size: int = Field(128, ge=1, description="columns per lazy-batch block (and per unstructured mask choice)")
-    damp: float = Field(0.01, gt=0, description="dampening, as a fraction of the mean Hessian diagonal")
-    true_sequential: bool = Field(True, description="prune q/k/v, o, gate/up, down in turn, each on updated inputs")
+class SparseGPTMethodConfig(PruneConfig, SolverConfig):  # block_size is also the unstructured mask's column block
     bits: Optional[int] = Field(None, ge=MIN_BITS, le=MAX_BITS, description="joint mode: also quantize kept weights (None: no)")
     group_size: int = Field(128, description="joint mode: columns per scale/zero group; -1 per output channel")
     symmetric: bool = Field(True, description="joint mode: symmetric grid")

@@ -21,6 +21,7 @@ from compress.formats.gguf.q4_k import KGrid
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q2_K
+CODES = (0, 3)  # the weight is d·sc·code − dmin·m
 SUB = 16
 
 

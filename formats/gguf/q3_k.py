@@ -23,6 +23,7 @@ from compress.formats.gguf.q2_k import pack_crumbs, unpack_crumbs
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q3_K
+CODES = (0, 7)  # the weight is d·sc·(code − 4)
 SUB = 16
 
 

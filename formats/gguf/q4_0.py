@@ -16,6 +16,7 @@ from compress.formats.gguf._common import (
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q4_0
+CODES = (0, 15)  # stored codes; the weight is d·(code − 8)
 
 
 def fit_grid(blocks: np.ndarray) -> np.ndarray:
@@ -28,18 +29,25 @@ def round_codes(blocks: np.ndarray, d: np.ndarray) -> np.ndarray:
     return np.clip(np.trunc(blocks * safe_reciprocal(d) + F32(8.5)), 0, 15).astype(np.uint8)
 
 
+def pack(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    return np.concatenate([fp16_bytes(d), nibbles(codes[:, :16], codes[:, 16:])], axis=1)
+
+
+def unpack(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(stored ``d`` ``[N, 1]``, codes ``[N, 32]``)."""
+    qs = data[:, 2:18]
+    return fp16_field(data, 0), np.concatenate([qs & 15, qs >> 4], axis=1)
+
+
 def encode(blocks: np.ndarray) -> np.ndarray:
     blocks = blocks.astype(F32, copy=False)
     d = fit_grid(blocks)
-    q = round_codes(blocks, d)
-    return np.concatenate([fp16_bytes(d), nibbles(q[:, :16], q[:, 16:])], axis=1)
+    return pack(d, round_codes(blocks, d))
 
 
 def decode(data: np.ndarray) -> np.ndarray:
-    d = fp16_field(data, 0)
-    qs = data[:, 2:18]
-    q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(np.int8) - np.int8(8)
-    return d * q.astype(F32)
+    d, q = unpack(data)
+    return d * (q.astype(np.int8) - np.int8(8)).astype(F32)
 
 
 def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) -> np.ndarray:
@@ -47,4 +55,4 @@ def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) 
     (``row_sigma2`` ``[N, 1]``), a weighted `make_qx_quants` fit; its codes are stored as they are."""
     blocks = blocks.astype(F32, copy=False)
     d, q = make_qx_quants(blocks, 8, importance_weights(blocks, qw, row_sigma2))
-    return np.concatenate([fp16_bytes(d), nibbles(q[:, :16], q[:, 16:])], axis=1)
+    return pack(d, q)

@@ -15,6 +15,7 @@ from compress.formats.gguf._common import (
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q4_1
+CODES = (0, 15)  # the weight is d·code + m
 
 
 def fit_grid(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -27,18 +28,26 @@ def round_codes(blocks: np.ndarray, d: np.ndarray, lo: np.ndarray) -> np.ndarray
     return np.clip(np.trunc((blocks - lo) * safe_reciprocal(d) + F32(0.5)), 0, 15).astype(np.uint8)
 
 
+def pack(grid: tuple[np.ndarray, np.ndarray], codes: np.ndarray) -> np.ndarray:
+    d, m = grid
+    return np.concatenate([fp16_bytes(d), fp16_bytes(m), nibbles(codes[:, :16], codes[:, 16:])], axis=1)
+
+
+def unpack(data: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
+    """((stored ``d``, ``m``) each ``[N, 1]``, codes ``[N, 32]``)."""
+    qs = data[:, 4:20]
+    return (fp16_field(data, 0), fp16_field(data, 2)), np.concatenate([qs & 15, qs >> 4], axis=1)
+
+
 def encode(blocks: np.ndarray) -> np.ndarray:
     blocks = blocks.astype(F32, copy=False)
     d, lo = fit_grid(blocks)
-    q = round_codes(blocks, d, lo)
-    return np.concatenate([fp16_bytes(d), fp16_bytes(lo), nibbles(q[:, :16], q[:, 16:])], axis=1)
+    return pack((d, lo), round_codes(blocks, d, lo))
 
 
 def decode(data: np.ndarray) -> np.ndarray:
-    d, m = fp16_field(data, 0), fp16_field(data, 2)
-    qs = data[:, 4:20]
-    q = np.concatenate([qs & 15, qs >> 4], axis=1).astype(F32)
-    return d * q + m
+    (d, m), q = unpack(data)
+    return d * q.astype(F32) + m
 
 
 def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) -> np.ndarray:
@@ -47,4 +56,4 @@ def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) 
     blocks = blocks.astype(F32, copy=False)
     w = importance_weights(blocks, qw, row_sigma2)
     d, the_min, q = make_qkx2_quants(blocks, w, 15, -0.9, 0.05, 36, use_mad=False)
-    return np.concatenate([fp16_bytes(d), fp16_bytes(-the_min), nibbles(q[:, :16], q[:, 16:])], axis=1)
+    return pack((d, -the_min), q)

@@ -24,6 +24,7 @@ from compress.formats.gguf._common import (
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q4_K
+CODES = (0, 15)  # the weight is d·sc·code − dmin·m
 SUB = 32
 
 

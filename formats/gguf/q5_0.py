@@ -16,6 +16,7 @@ from compress.formats.gguf._common import (
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q5_0
+CODES = (0, 31)  # the weight is d·(code − 16)
 
 
 def fit_grid(blocks: np.ndarray) -> np.ndarray:
@@ -35,17 +36,25 @@ def unpack_high_bits(qh: np.ndarray) -> np.ndarray:
     return np.unpackbits(qh, axis=1, bitorder="little")
 
 
-def encode(blocks: np.ndarray) -> np.ndarray:
-    blocks = blocks.astype(F32, copy=False)
-    d = fit_grid(blocks)
-    q = round_codes(blocks, d)
+def pack(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    q = codes.astype(np.uint8)
     return np.concatenate([fp16_bytes(d), pack_high_bits(q), nibbles(q[:, :16], q[:, 16:])], axis=1)
 
 
-def decode(data: np.ndarray) -> np.ndarray:
-    d = fp16_field(data, 0)
+def unpack(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(stored ``d`` ``[N, 1]``, codes ``[N, 32]``)."""
     qs = data[:, 6:22]
-    q = np.concatenate([qs & 15, qs >> 4], axis=1) | (unpack_high_bits(data[:, 2:6]) << 4)
+    return fp16_field(data, 0), np.concatenate([qs & 15, qs >> 4], axis=1) | (unpack_high_bits(data[:, 2:6]) << 4)
+
+
+def encode(blocks: np.ndarray) -> np.ndarray:
+    blocks = blocks.astype(F32, copy=False)
+    d = fit_grid(blocks)
+    return pack(d, round_codes(blocks, d))
+
+
+def decode(data: np.ndarray) -> np.ndarray:
+    d, q = unpack(data)
     return d * (q.astype(np.int8) - np.int8(16)).astype(F32)
 
 
@@ -53,5 +62,4 @@ def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) 
     """``quantize_row_q5_0_impl``: as Q4_0's with nmax 16."""
     blocks = blocks.astype(F32, copy=False)
     d, q = make_qx_quants(blocks, 16, importance_weights(blocks, qw, row_sigma2))
-    q = q.astype(np.uint8)
-    return np.concatenate([fp16_bytes(d), pack_high_bits(q), nibbles(q[:, :16], q[:, 16:])], axis=1)
+    return pack(d, q)

@@ -16,6 +16,7 @@ from compress.formats.gguf.q5_0 import pack_high_bits, unpack_high_bits
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q5_1
+CODES = (0, 31)  # the weight is d·code + m
 
 
 def fit_grid(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -27,18 +28,27 @@ def round_codes(blocks: np.ndarray, d: np.ndarray, lo: np.ndarray) -> np.ndarray
     return np.clip(np.trunc((blocks - lo) * safe_reciprocal(d) + F32(0.5)), 0, 31).astype(np.uint8)
 
 
+def pack(grid: tuple[np.ndarray, np.ndarray], codes: np.ndarray) -> np.ndarray:
+    d, m = grid
+    q = codes.astype(np.uint8)
+    return np.concatenate([fp16_bytes(d), fp16_bytes(m), pack_high_bits(q), nibbles(q[:, :16], q[:, 16:])], axis=1)
+
+
+def unpack(data: np.ndarray) -> tuple[tuple[np.ndarray, np.ndarray], np.ndarray]:
+    """((stored ``d``, ``m``) each ``[N, 1]``, codes ``[N, 32]``)."""
+    qs = data[:, 8:24]
+    q = np.concatenate([qs & 15, qs >> 4], axis=1) | (unpack_high_bits(data[:, 4:8]) << 4)
+    return (fp16_field(data, 0), fp16_field(data, 2)), q
+
+
 def encode(blocks: np.ndarray) -> np.ndarray:
     blocks = blocks.astype(F32, copy=False)
     d, lo = fit_grid(blocks)
-    q = round_codes(blocks, d, lo)
-    parts = [fp16_bytes(d), fp16_bytes(lo), pack_high_bits(q), nibbles(q[:, :16], q[:, 16:])]
-    return np.concatenate(parts, axis=1)
+    return pack((d, lo), round_codes(blocks, d, lo))
 
 
 def decode(data: np.ndarray) -> np.ndarray:
-    d, m = fp16_field(data, 0), fp16_field(data, 2)
-    qs = data[:, 8:24]
-    q = np.concatenate([qs & 15, qs >> 4], axis=1) | (unpack_high_bits(data[:, 4:8]) << 4)
+    (d, m), q = unpack(data)
     return d * q.astype(F32) + m
 
 
@@ -47,6 +57,4 @@ def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) 
     blocks = blocks.astype(F32, copy=False)
     w = importance_weights(blocks, qw, row_sigma2)
     d, the_min, q = make_qkx2_quants(blocks, w, 31, -0.9, 0.05, 36, use_mad=False)
-    q = q.astype(np.uint8)
-    parts = [fp16_bytes(d), fp16_bytes(-the_min), pack_high_bits(q), nibbles(q[:, :16], q[:, 16:])]
-    return np.concatenate(parts, axis=1)
+    return pack((d, -the_min), q)

@@ -17,6 +17,7 @@ from compress.formats.gguf.q4_k import SUB, KGrid
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q5_K
+CODES = (0, 31)  # the weight is d·sc·code − dmin·m
 
 
 def fit_grid(blocks: np.ndarray) -> KGrid:

@@ -21,6 +21,7 @@ from compress.formats.gguf.q3_k import SGrid
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q6_K
+CODES = (0, 63)  # the weight is d·sc·(code − 32)
 SUB = 16
 
 

@@ -13,6 +13,7 @@ from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, safe_reci
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q8_0
+CODES = (-128, 127)  # signed bytes; the weight is d·code
 
 
 def fit_grid(blocks: np.ndarray) -> np.ndarray:
@@ -28,12 +29,21 @@ def round_codes(blocks: np.ndarray, d: np.ndarray) -> np.ndarray:
     return (np.sign(scaled) * (whole + (mag - whole >= F32(0.5)))).astype(np.int8)
 
 
+def pack(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
+    return np.concatenate([fp16_bytes(d), codes.astype(np.int8).view(np.uint8)], axis=1)
+
+
+def unpack(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(stored ``d`` ``[N, 1]``, signed codes ``[N, 32]``)."""
+    return fp16_field(data, 0), np.ascontiguousarray(data[:, 2:]).view(np.int8)
+
+
 def encode(blocks: np.ndarray) -> np.ndarray:
     blocks = blocks.astype(F32, copy=False)
     d = fit_grid(blocks)
-    return np.concatenate([fp16_bytes(d), round_codes(blocks, d).view(np.uint8)], axis=1)
+    return pack(d, round_codes(blocks, d))
 
 
 def decode(data: np.ndarray) -> np.ndarray:
-    d = fp16_field(data, 0)
-    return np.ascontiguousarray(data[:, 2:]).view(np.int8).astype(F32) * d
+    d, q = unpack(data)
+    return q.astype(F32) * d

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 from conftest import CALIB_TEXT, REPO
 from typer.testing import CliRunner
@@ -83,11 +84,16 @@ def test_recipe_prune_then_distill_keeps_2_of_4(tiny_llama, tmp_path):
         f"model: {tiny_llama}\nstages:\n  - method: magnitude\n    pattern: '2:4'\n"
         f"distill:\n  data: {CALIB_TEXT}\n  steps: 2\n  batch_size: 2\n  seq_len: 32\n  lr: 0.01\n"
         f"output:\n  path: {tmp_path / 'out'}\n"
+        f"export:\n  path: {tmp_path / 'out.gguf'}\n  type: f16\n"
     )
     result = runner.invoke(app, ["run", str(recipe), "--json"])
     assert result.exit_code == 0, result.output
     summary = json.loads(result.stdout)
     assert summary["masked_layers"] == 14 and summary["compression"] is not None
+    from gguf import GGUFReader  # the export is of the distilled checkpoint, still 2:4 after training
+
+    up = next(t for t in GGUFReader(str(tmp_path / "out.gguf")).tensors if t.name == "blk.0.ffn_up.weight")
+    assert is_nm_sparse(torch.from_numpy(np.array(up.data, dtype=np.float32)), 2, 4)
     model = load_model(tmp_path / "out", torch.device("cpu"))
     layers = [m for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and ".layers." in n]
     assert len(layers) == 14 and all(is_nm_sparse(m.weight, 2, 4) for m in layers)

@@ -250,7 +250,9 @@ def test_cli_export_and_imatrix(tmp_path):
     [
         (["--type", "q4_z"], "unknown GGUF type"),
         (["--format", "safetensors"], "--format gguf"),
-        (["--method", "gptq"], "not implemented"),
+        (["--method", "gptq"], "--calib"),
+        (["--method", "bogus"], "unknown GGUF export method"),
+        (["--calib", "x.txt"], "--method"),
         (["--method", "imatrix"], "--imatrix"),
         (["--imatrix", "x.gguf"], "--method imatrix"),
     ],

@@ -1,0 +1,174 @@
+"""Quality of our GGUF export methods next to llama.cpp's quantizer, per type, on one model.
+
+    python bench/gguf_quality.py [--model eval/assets/reference-llama] [--types q4_k q3_k q2_k]
+        [--methods llama.cpp llama.cpp+imatrix rtn imatrix gptq awq] [--samples 64] [--seq-len 512]
+        [--calib eval/assets/shakespeare-calib-slice.txt] [--text eval/assets/shakespeare-test-slice.txt]
+        [--rounded-input] [--workdir DIR] [--json PATH]
+
+Protocol. The model is exported once as an F16 GGUF (our exporter). Per type, every method writes one
+file in which every matrix has that type (token_embd and output included):
+- ``llama.cpp``: ``llama_model_quantize`` (llama-cpp-python) of the F16 file, ``pure`` set;
+- ``llama.cpp+imatrix``: the built ``llama-quantize --pure --imatrix`` of the F16 file, the imatrix from
+  the built ``llama-imatrix`` on the F16 file over the first ``samples`` windows of ``seq-len`` tokens of
+  the calibration text (no BOS: the file's ``add_bos_token`` is false);
+- ``rtn``, ``imatrix``, ``gptq``, ``awq``: ``compress export --method M`` (the calibrated ones with
+  ``--calib TEXT --samples N --seq-len L``: ``samples`` random windows of the same text, seed 0, so the
+  same number of calibration tokens as llama-imatrix, not the same windows). Methods our CLI rejects
+  (exit status 2, e.g. not implemented yet) are skipped with a note.
+llama.cpp quantizes the F16 file, our exporter the checkpoint's own (float32) weights: with
+``--rounded-input`` ours read a copy whose matrices are rounded to float16 instead, so every method starts from the same
+values (the baseline stays the original model).
+Every file, and the F16 one as a reference, is scored by `evaluate_outputs` with llama.cpp on the held-out
+text: windows of ``ctx`` 512 tokens (HF tokenizer, no BOS), perplexity and mean KL(HF model || GGUF).
+Bits per weight are those of the ``blk.*`` matrices as stored (``gguf_figures``); the size is the file's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from gguf_encode import _quiet_llama_cpp, llama_cpp_quantize
+from gguf_imatrix_check import ASSETS, TYPES, Rejected, calibration_windows, export_f16, f16_rounded_copy, ours_export
+from llama_cpp_tools import llama_imatrix, llama_quantize
+
+from compress.eval.report import GGUFBackend, Protocol, evaluate_outputs
+from compress.formats.gguf.plan import FILE_TYPE, Target
+
+METHODS = ["llama.cpp", "llama.cpp+imatrix", "rtn", "imatrix", "gptq", "awq"]
+LABELS = {"llama.cpp": "llama.cpp", "llama.cpp+imatrix": "llama.cpp + imatrix", "rtn": "ours rtn",
+          "imatrix": "ours imatrix", "gptq": "ours gptq", "awq": "ours awq"}
+
+
+@dataclass
+class Setup:
+    model: Path
+    calib: Path
+    samples: int
+    seq_len: int
+    work: Path
+    threads: int
+    f16: Path | None = None
+    llama_imatrix_file: Path | None = None
+
+    def llama_imatrix(self) -> Path:
+        """llama-imatrix's file for the F16 model, collected on first use."""
+        if self.llama_imatrix_file is None:
+            self.llama_imatrix_file = self.work / "imatrix-llama.gguf"
+            llama_imatrix(self.f16, self.calib, self.llama_imatrix_file, self.seq_len, self.samples, self.threads,
+                          self.work / "imatrix-llama.log")
+        return self.llama_imatrix_file
+
+    def calib_options(self) -> list[object]:
+        return ["--calib", self.calib, "--samples", self.samples, "--seq-len", self.seq_len]
+
+
+# -- one file per (type, method) --------------------------------------------------------------------------
+def with_llama_cpp(setup: Setup, kind: str, dst: Path) -> None:
+    llama_cpp_quantize(setup.f16, dst, Target(kind), setup.threads)
+
+
+def with_llama_cpp_imatrix(setup: Setup, kind: str, dst: Path) -> None:
+    llama_quantize(setup.f16, dst, FILE_TYPE[Target(kind)], setup.llama_imatrix(), setup.threads,
+                   dst.with_suffix(".log"))
+
+
+def with_ours(method: str) -> Callable[[Setup, str, Path], None]:
+    def write(setup: Setup, kind: str, dst: Path) -> None:
+        ours_export(setup.model, dst, kind, method, *(setup.calib_options() if method != "rtn" else []))
+
+    return write
+
+
+PRODUCERS = {"llama.cpp": with_llama_cpp, "llama.cpp+imatrix": with_llama_cpp_imatrix,
+             **{m: with_ours(m) for m in ("rtn", "imatrix", "gptq", "awq")}}
+
+
+def write_files(setup: Setup, kinds: list[str], methods: list[str]) -> tuple[list[dict], list[str]]:
+    """Every (type, method) file; returns their rows (no scores yet) and notes on skipped methods."""
+    rows, notes, rejected = [], [], set()
+    for kind in kinds:
+        for method in methods:
+            if method in rejected:
+                continue
+            dst = setup.work / f"{kind}-{method}.gguf"
+            start = time.perf_counter()
+            try:
+                PRODUCERS[method](setup, kind, dst)
+            except Rejected as exc:
+                rejected.add(method)
+                notes.append(f"skipped {LABELS[method]}: our CLI rejects it ({exc})")
+                print(notes[-1])
+                continue
+            seconds = time.perf_counter() - start
+            print(f"wrote {dst.name} in {seconds:.1f} s")
+            rows.append({"type": kind, "method": LABELS[method], "path": str(dst), "seconds": round(seconds, 2)})
+    return rows, notes
+
+
+# -- scores and the table --------------------------------------------------------------------------------
+def score(rows: list[dict], model: Path, text: Path, ctx: int) -> dict:
+    """Fill each row's size, bits per weight, perplexity and KLD; returns the report's baseline and protocol."""
+    report = evaluate_outputs([Path(r["path"]) for r in rows], model, Protocol(text, ctx=ctx), GGUFBackend.LLAMA_CPP)
+    for row, scored in zip(rows, report.rows):
+        row.update(size_bytes=scored.size_bytes, bits_per_weight=scored.bits_per_weight,
+                   perplexity=scored.perplexity, kld=scored.kld, evaluator=scored.evaluator)
+    return {"baseline": report.baseline.to_dict(), "protocol": report.protocol}
+
+
+def markdown(rows: list[dict], baseline: dict) -> str:
+    lines = [f"baseline (HF, float32): perplexity {baseline['perplexity']:.4f} over {baseline['tokens_scored']} tokens",
+             "",
+             "| type | method | size (bytes) | size (MB) | bits/weight | perplexity | mean KLD |",
+             "|---|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['type']} | {r['method']} | {r['size_bytes']} | {r['size_bytes'] / 1e6:.3f} | "
+                     f"{r['bits_per_weight']:.4f} | {r['perplexity']:.4f} | {r['kld']:.5f} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", type=Path, default=ASSETS / "reference-llama")
+    ap.add_argument("--calib", type=Path, default=ASSETS / "shakespeare-calib-slice.txt")
+    ap.add_argument("--text", type=Path, default=ASSETS / "shakespeare-test-slice.txt", help="held-out text")
+    ap.add_argument("--types", nargs="+", default=TYPES, choices=[t.value for t in Target])
+    ap.add_argument("--methods", nargs="+", default=METHODS, choices=METHODS)
+    ap.add_argument("--samples", type=int, default=64, help="calibration windows (capped at what the text has)")
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--ctx", type=int, default=512, help="evaluation window")
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp quantize/imatrix threads")
+    ap.add_argument("--rounded-input", action="store_true", help="our exports read float16-rounded weights, as llama.cpp")
+    ap.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary folder)")
+    ap.add_argument("--json", type=Path, help="also write the rows here")
+    args = ap.parse_args()
+    keep = _quiet_llama_cpp()  # noqa: F841
+    with tempfile.TemporaryDirectory() as tmp:
+        work = args.workdir or Path(tmp)
+        work.mkdir(parents=True, exist_ok=True)
+        available = calibration_windows(args.model, args.calib, args.seq_len)
+        samples = min(args.samples, available)
+        print(f"calibration {args.calib.name}: {available} windows of {args.seq_len} tokens, using {samples}")
+        ours_input = f16_rounded_copy(args.model, work / "model-f16-rounded") if args.rounded_input else args.model
+        setup = Setup(ours_input, args.calib, samples, args.seq_len, work, args.threads)
+        setup.f16 = export_f16(args.model, work / "model-f16.gguf")
+        rows, notes = write_files(setup, args.types, args.methods)
+        rows.insert(0, {"type": "f16", "method": "ours (reference)", "path": str(setup.f16), "seconds": None})
+        summary = score(rows, args.model, args.text, args.ctx)
+    print(f"\nllama.cpp quantized the F16 GGUF; ours read {'a float16-rounded copy' if args.rounded_input else 'the checkpoint weights'}")
+    print(markdown(rows, summary["baseline"]))
+    for note in notes:
+        print(f"\nnote: {note}")
+    if args.json:
+        calibration = {"text": str(args.calib), "samples": samples, "seq_len": args.seq_len, "windows_available": available}
+        inputs = {"llama.cpp": "F16 GGUF", "ours": "float16-rounded copy" if args.rounded_input else "checkpoint weights"}
+        args.json.write_text(json.dumps({**summary, "calibration": calibration, "inputs": inputs, "rows": rows, "notes": notes}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,133 @@
+"""GPTQ solved in a GGUF block type's own grids: the written file is the calibrated result.
+
+Frantar et al., "GPTQ", ICLR 2023 (arXiv:2210.17323), with the quantization grid of llama.cpp's block
+formats (``ggml-quants.c``) in place of GPTQ's per-group min-max grid.
+
+Objective: as `compress.quantizers.gptq`, ``min ‖WX − QX‖² = (n/2)·tr((W − Q) H (W − Q)ᵀ)`` with
+``H = 2/n·XXᵀ``, but ``Q`` must be what a GGUF type stores: per block of B consecutive columns of a row
+(B = 32 for Q4_0/Q5_0/Q8_0..., 256 for the k-quants) one grid, for the k-quants a super-block's
+float16 ``d``/``dmin`` with 6-bit (or 4-bit) sub-block scales and mins, and integer codes.
+
+Procedure: columns are quantized in order with GPTQ's Cholesky error feedback and lazy batches (the
+batch is a whole number of blocks). When a block's first column is reached, its grid is fitted by the
+type's own encoder (`compress.formats.gguf.grids.fit`) to the block's columns as they are then (every
+earlier error fed back), with ``diag(H)`` (each column's mean squared input, what llama.cpp's imatrix
+holds) as the importance of ggml's weighted fit (``weighted_fit``) or ggml's plain fit. Each column is
+then rounded to the nearest code of its grid, and its error spread over the columns not yet quantized.
+The grids and codes are packed into the type's bytes; the result's weight is the decode of those bytes.
+
+Shapes: ``weight [out, in]`` (``in`` a multiple of B), ``hessian [in, in]``; ``data [out, row_bytes]``
+uint8, the GGUF tensor's rows. The inputs are not modified; runs in float32 on the CPU (the grid fits
+are numpy).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from compress.formats.gguf import grids
+from compress.formats.gguf.codecs import decode_tensor, encode_tensor
+from compress.formats.gguf.sizes import GGMLType
+from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, solver_inputs
+
+
+@dataclass(frozen=True)
+class GGUFGPTQConfig:
+    kind: GGMLType
+    block_size: int = 128  # lazy-batch columns, rounded up to whole blocks of the type
+    damp: float = 0.01  # λ = damp · mean(diag H)
+    max_damp_tries: int = 8
+    weighted_fit: bool = True  # fit each block's grid with diag(H) as ggml's importance weights
+
+    def __post_init__(self) -> None:
+        check_solver_settings(self.block_size, self.damp, self.max_damp_tries)
+        if not grids.is_block_quantized(self.kind):
+            raise ValueError(f"{self.kind.name} has no quantization grid: GPTQ needs a block-quantized type")
+
+
+@dataclass
+class GGUFQuantResult:
+    weight: torch.Tensor  # [out, in] float32, the decode of ``data``
+    data: np.ndarray  # [out, row_bytes] uint8 in ``kind``'s block layout
+    kind: GGMLType
+    stats: dict = field(default_factory=dict)
+
+
+def layer_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> tuple[float, float]:
+    """``tr((W − Q) H (W − Q)ᵀ)`` and its ratio to ``tr(W H Wᵀ)``."""
+    W, H = weight.float(), hessian.float()
+    delta = W - quantized.float()
+    error = float(((delta @ H) * delta).sum())
+    base = float(((W @ H) * W).sum())
+    return error, error / base if base > 0 else 0.0
+
+
+def _round_block(W1: torch.Tensor, Err1: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.BlockGrid):
+    """Round the block of columns ``b:b+B`` of the lazy batch ``W1`` on ``grid`` column by column, feeding
+    each error into the batch's later columns (``W1`` and ``Err1`` updated in place). Returns the codes
+    ``[rows, B]``. (Refitting the grid to the values the columns had when rounded, and rounding again,
+    was tried: no consistent gain, Q2_K and Q4_K got worse.)"""
+    step, offset = torch.from_numpy(grid.step), torch.from_numpy(grid.offset)
+    safe_step = torch.where(step == 0, torch.ones_like(step), step)
+    rows, B = step.shape
+    codes = torch.empty(rows, B, dtype=torch.int32)
+    for c in range(B):
+        i = b + c
+        w = W1[:, i]
+        q = torch.round((w + offset[:, c]) / safe_step[:, c]).clamp(grid.lo, grid.hi)
+        q = torch.where(step[:, c] == 0, torch.full_like(q, grid.lo), q)
+        err = (w - (step[:, c] * q - offset[:, c])) / U1[i, i]
+        W1[:, i + 1 :] -= err[:, None] * U1[i, i + 1 :]
+        Err1[:, i] = err
+        codes[:, c] = q.to(torch.int32)
+    return codes
+
+
+def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfig) -> GGUFQuantResult:
+    """Quantize ``weight`` into ``config.kind`` blocks with GPTQ given ``hessian``.
+
+    ``stats``: ``error``/``rel_error`` (as `compress.quantizers.gptq.gptq`), ``rtn_rel_error`` (the
+    type's plain encoder on the same weight, for comparison), ``damp``, ``damp_retries``, ``dead_columns``.
+    """
+    kind, B = config.kind, grids.block_size(config.kind)
+    W, H = solver_inputs(weight, hessian)
+    W, H = W.cpu(), H.cpu()
+    rows, cols = W.shape
+    if cols % B:
+        raise ValueError(f"rows of {cols} values do not split into {kind.name} blocks of {B}")
+
+    dead = torch.diagonal(H) == 0
+    H.diagonal()[dead] = 1.0
+    W[:, dead] = 0.0
+    diag = torch.diagonal(H).clone()
+    importance = (diag + 1e-8 * diag.mean()).numpy() if config.weighted_fit else None
+    row_sigma2 = W.square().mean(dim=1, keepdim=True).numpy()  # ggml's legacy types weigh by the row's
+
+    U, damp, _, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
+    del H
+
+    batch = B * math.ceil(config.block_size / B)
+    blocks: list[np.ndarray] = []  # packed bytes [rows, type_size] of each block column, in order
+    for i1 in range(0, cols, batch):
+        i2 = min(i1 + batch, cols)
+        W1, U1 = W[:, i1:i2].clone(), U[i1:i2, i1:i2]
+        Err1 = torch.zeros_like(W1)
+        for b in range(0, i2 - i1, B):
+            qw = None if importance is None else np.broadcast_to(importance[i1 + b : i1 + b + B], (rows, B))
+            grid = grids.fit(kind, W1[:, b : b + B].numpy(), qw, row_sigma2)
+            blocks.append(grids.pack(grid, _round_block(W1, Err1, U1, b, grid).numpy()))
+        W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
+
+    data = np.concatenate(blocks, axis=1)
+    Q = torch.from_numpy(decode_tensor(data, kind, cols))
+    error, rel = layer_error(weight.detach().cpu(), Q, hessian.detach().cpu())
+    rtn = torch.from_numpy(decode_tensor(encode_tensor(weight.detach().float().cpu().numpy(), kind), kind, cols))
+    stats = {
+        "error": error, "rel_error": rel, "rtn_rel_error": layer_error(weight.detach().cpu(), rtn, hessian.detach().cpu())[1],
+        "damp": damp, "damp_retries": retries, "dead_columns": int(dead.sum()),
+    }
+    return GGUFQuantResult(Q.to(weight.device), data, kind, stats)

@@ -1,0 +1,68 @@
+"""The affine view of the GGUF block types used by GPTQ-in-GGUF (`compress.formats.gguf.grids`)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from compress.formats.gguf import grids
+from compress.formats.gguf.codecs import CODECS
+from compress.formats.gguf.sizes import GGMLType
+
+QUANTIZED = [k for k in CODECS if grids.is_block_quantized(k)]
+K_QUANTS = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
+
+
+def blocks_of(kind: GGMLType, n: int = 48, seed: int = 0) -> np.ndarray:
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((n, grids.block_size(kind))).astype(np.float32)
+    x[0] = 0.0  # an all-zero block: every step is 0
+    x[1, ::3] *= 20  # outliers
+    return x
+
+
+@pytest.mark.parametrize("kind", QUANTIZED, ids=lambda k: k.name)
+def test_any_codes_decode_to_step_times_code_minus_offset(kind):
+    """The decoder (the format's reference) of any code on a fitted grid is ``step·q − offset``."""
+    x = blocks_of(kind)
+    grid = grids.fit(kind, x)
+    rng = np.random.default_rng(1)
+    codes = rng.integers(grid.lo, grid.hi + 1, size=x.shape)
+    decoded = CODECS[kind].decode(grids.pack(grid, codes))
+    np.testing.assert_allclose(decoded, grid.step * codes - grid.offset, rtol=1e-6, atol=1e-7)
+    assert (grid.step[0] == 0).all()
+
+
+@pytest.mark.parametrize("kind", QUANTIZED, ids=lambda k: k.name)
+def test_fit_and_nearest_codes_reproduce_ggml_rounding(kind):
+    """Nearest codes on the encoder's own grid give ggml's bytes (k-quants round to nearest on the
+    final grid; the legacy types round with the unrounded scale, so a few codes may differ there)."""
+    x = blocks_of(kind)
+    grid = grids.fit(kind, x)
+    ours = grids.pack(grid, grid.codes(x))
+    ggml = CODECS[kind].encode(x)
+    if kind in K_QUANTS:
+        np.testing.assert_array_equal(ours, ggml)
+    else:
+        assert (ours == ggml).mean() > 0.95
+        decode = CODECS[kind].decode
+        assert np.square(decode(ours) - x).sum() <= np.square(decode(ggml) - x).sum() * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("kind", [GGMLType.Q4_K, GGMLType.Q4_0, GGMLType.Q6_K], ids=lambda k: k.name)
+def test_importance_fit_is_the_weighted_encoders_grid(kind):
+    x = blocks_of(kind)
+    qw = np.random.default_rng(2).random(x.shape).astype(np.float32)
+    sigma2 = np.mean(x * x, axis=1, keepdims=True)
+    grid = grids.fit(kind, x, qw, sigma2)
+    weighted = CODECS[kind].encode_weighted(x, qw, sigma2)
+    _, codes = CODECS[kind].unpack(weighted)
+    np.testing.assert_array_equal(grids.pack(grid, codes), weighted)  # same grid: same bytes with its codes
+
+
+def test_codes_out_of_range_are_refused():
+    x = blocks_of(GGMLType.Q4_K)
+    grid = grids.fit(GGMLType.Q4_K, x)
+    with pytest.raises(ValueError, match="range"):
+        grids.pack(grid, np.full(x.shape, 16))
+    assert not grids.is_block_quantized(GGMLType.F16)
