@@ -1,12 +1,14 @@
 """GPTQ speed and reconstruction error per layer, beside the slow column-by-column reference.
 
-    python bench/gptq_speed.py [--device cpu|cuda] [--shapes 4096x4096,4096x11008] [--skip-slow]
+    python bench/gptq_speed.py [--device cpu|cuda] [--shapes 4096x4096,4096x11008] [--skip-slow] [--gguf q4_k q2_k]
 
 For each ``out x in`` shape: a random weight and ``H = 2/n X Xᵀ`` from correlated activations
 (``X = Z A``, ``--tokens`` rows), quantized to 4 bit, group 128, symmetric. ``gptq`` (Cholesky
 form, lazy batches) is timed beside the textbook reference from ``tests/references.py`` (full
 inverse Hessian eliminated after every column, no blocks) run in float32 on the same device.
-``rel_error`` = tr((W−Q) H (W−Q)ᵀ) / tr(W H Wᵀ); RTN is shown for scale.
+``rel_error`` = tr((W−Q) H (W−Q)ᵀ) / tr(W H Wᵀ); RTN is shown for scale. ``--gguf TYPE...`` adds GPTQ
+solved in those GGUF block types (`compress.quantizers.gguf_gptq`, CPU: its grid fits are numpy) beside
+ggml's own rounding of the same weight.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ sys.path.insert(0, str(REPO / "tests"))
 
 from references import reference_obq  # noqa: E402
 
+from compress.formats.gguf.plan import BASE, Target  # noqa: E402
+from compress.quantizers.gguf_gptq import GGUFGPTQConfig, gguf_gptq  # noqa: E402
 from compress.quantizers.gptq import GPTQConfig, gptq  # noqa: E402
 from compress.quantizers.grid import QuantScheme  # noqa: E402
 from compress.quantizers.rtn import rtn  # noqa: E402
@@ -62,6 +66,7 @@ def main() -> None:
     ap.add_argument("--group-size", type=int, default=128)
     ap.add_argument("--block-size", type=int, default=128)
     ap.add_argument("--skip-slow", action="store_true", help="do not run the column-by-column reference")
+    ap.add_argument("--gguf", nargs="*", default=[], choices=[t.value for t in Target], help="also GPTQ in these GGUF types")
     args = ap.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("--device cuda: CUDA is not available")
@@ -82,6 +87,11 @@ def main() -> None:
         base = rtn(w, scheme)
         print(f"{shape:<12}{'rtn':<22}{'':>10}{rel_error(w, base.weight, h):>12.5f}")
         print(f"{shape:<12}{'gptq':<22}{t_fast:>10.3f}{res.stats['rel_error']:>12.5f}", flush=True)
+        for name in args.gguf:
+            config_g = GGUFGPTQConfig(BASE[Target(name)], block_size=args.block_size)
+            res_g, t_g = timed(lambda: gguf_gptq(w.cpu(), h.cpu(), config_g), "cpu")
+            print(f"{shape:<12}{name + ' ggml rounding':<22}{'':>10}{res_g.stats['rtn_rel_error']:>12.5f}")
+            print(f"{shape:<12}{name + ' gptq':<22}{t_g:>10.3f}{res_g.stats['rel_error']:>12.5f}", flush=True)
         if args.skip_slow:
             continue
         ref, t_slow = timed(
