@@ -56,10 +56,19 @@ class GGUFMethod(str, enum.Enum):
     imatrix = "imatrix"  # ggml's importance-weighted rounding (llama-quantize --imatrix)
     gptq = "gptq"  # GPTQ in the GGML block grids, calibrated (compress.export_calibrated)
     awq = "awq"  # AWQ scales searched against the GGML round trip, then ggml's rounding
+    awq_gptq = "awq-gptq"  # AWQ scales, then GPTQ in the GGML grids
+
+    @property
+    def scales(self) -> bool:
+        return self in (GGUFMethod.awq, GGUFMethod.awq_gptq)
+
+    @property
+    def solves(self) -> bool:
+        return self in (GGUFMethod.gptq, GGUFMethod.awq_gptq)
 
     @property
     def calibrated(self) -> bool:
-        return self in (GGUFMethod.gptq, GGUFMethod.awq)
+        return self.scales or self.solves
 
 
 @dataclass(frozen=True)

@@ -11,6 +11,7 @@ does, with one of the GGUF methods of `compress.methods.gguf` given the type pla
   no input statistics, get ggml's rounding.
 - ``awq``: AWQ's scales are searched against each layer's GGML round trip and folded into the norms
   and linears; the scaled checkpoint is then written by ggml's rounding.
+- ``awq-gptq``: both, as two engine stages per block: AWQ's scales, then GPTQ on the scaled layers.
 
 AWQ changes the weights, so its engine output is written to a scratch checkpoint next to the output
 file and exported from there; GPTQ changes only the layers it encodes, so the rest is read from the
@@ -102,7 +103,7 @@ def export_calibrated(
     config: ExportConfig, method: GGUFMethod, calibration: Calibration, progress: ProgressFn | None = None,
     gptq: GGUFGPTQMethodConfig | None = None, awq: GGUFAWQMethodConfig | None = None,
 ) -> ExportResult:
-    """Calibrate ``config.model`` with ``method`` (gptq or awq) and write the GGUF file ``config.output``."""
+    """Calibrate ``config.model`` with ``method`` (gptq, awq or awq-gptq) and write the GGUF file ``config.output``."""
     start = time.perf_counter()
     if not method.calibrated:
         raise CompressError(f"--method {method.value} needs no calibration: use export_gguf")
@@ -115,34 +116,39 @@ def export_calibrated(
     blocks = [handle.block_name(i) for i in range(len(handle.blocks))]
     layers = {n: m for n, m in quantizable_layers(handle.model, blocks).items() if n in types}
     device = resolve_device(calibration.device)
-    head = None
-    if method == GGUFMethod.gptq:
+    head, solver, stages = None, None, []
+    if method.scales:
+        stages.append(Stage(GGUFAWQ(awq or GGUFAWQMethodConfig(), types), layers))
+    if method.solves:
         solver = GGUFGPTQ(gptq or GGUFGPTQMethodConfig(), types)
-        stages = [Stage(solver, layers)]
+        stages.append(Stage(solver, layers))
         if solver.config.output_layer and OUTPUT_LAYER in types and handle.config.model_type in FINAL_NORMS:
             head = FINAL_NORMS[handle.config.model_type]
-    else:
-        solver = None
-        stages = [Stage(GGUFAWQ(awq or GGUFAWQMethodConfig(), types), layers)]
     engine = Engine(handle, stages, device, batch_size=calibration.batch_size, progress=progress, keep_final_hidden=head is not None)
     windows = load_calibration(
         calibration.path, load_tokenizer(config.model), calibration.samples, calibration.seq_len, calibration.seed
     )
     engine.check(windows)
-    if solver is not None:
-        run = engine.run(_Discard(), windows)
+
+    def run_engine(writer):
+        run = engine.run(writer, windows)
         if head is not None:
             run.layers += solve_output_layer(handle, head, run.final_hidden, solver, device)
-        result = export_gguf(config, progress, encoded=solver.encoded)
-    else:
+        return run
+
+    encoded = solver.encoded if solver is not None else None
+    if not method.scales:  # only the encoded layers change: read the rest from the input
+        run = run_engine(_Discard())
+        result = export_gguf(config, progress, encoded=encoded)
+    else:  # the scaled checkpoint, written next to the output and exported from there
         config.output.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=config.output.parent, prefix=f".{config.output.name}.awq-") as scratch:
             writer = ShardedWriter(Path(scratch))
-            run = engine.run(writer, windows)
+            run = run_engine(writer)
             writer.close()
             copy_side_files(config.model, Path(scratch))
-            write_config(config.model, Path(scratch), {"stages": [stages[0].method.record()]})
-            result = export_gguf(replace(config, model=Path(scratch)), progress)
+            write_config(config.model, Path(scratch), {"stages": [stage.method.record() for stage in stages]})
+            result = export_gguf(replace(config, model=Path(scratch)), progress, encoded=encoded)
     result.notes.append(f"calibrated with {method.value} on {calibration.samples} x {calibration.seq_len} tokens of {calibration.path.name}")
     gains = [np.log(r.info["rtn_rel_error"] / r.info["rel_error"]) for r in run.layers if r.info.get("rel_error")]
     if gains:

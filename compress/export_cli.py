@@ -23,7 +23,8 @@ def export_command(
     method: str = typer.Option(
         "rtn", "--method",
         help="rtn (ggml's reference rounding), imatrix (importance-weighted, as llama-quantize --imatrix), "
-        "gptq (GPTQ solved in the GGUF blocks, needs --calib) or awq (AWQ scales, then ggml's rounding; needs --calib).",
+        "gptq (GPTQ solved in the GGUF blocks, needs --calib), awq (AWQ scales, then ggml's rounding; needs --calib) "
+        "or awq-gptq (AWQ scales, then GPTQ).",
     ),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="llama.cpp imatrix GGUF file for --method imatrix."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text for gptq/awq, or for imatrix without --imatrix."),
@@ -53,7 +54,7 @@ def export_command(
     if kind != GGUFMethod.imatrix and imatrix is not None:
         raise CompressError("--imatrix needs --method imatrix: add it, or drop --imatrix")
     if kind == GGUFMethod.rtn and calib is not None:
-        raise CompressError("--calib needs --method imatrix, gptq or awq: add one, or drop --calib for plain rounding")
+        raise CompressError("--calib needs --method imatrix, gptq, awq or awq-gptq: add one, or drop --calib for plain rounding")
     if kind == GGUFMethod.imatrix and (imatrix is None) == (calib is None):
         raise CompressError("--method imatrix needs exactly one of --imatrix FILE or --calib TEXT")
     if kind.calibrated and calib is None:

@@ -89,6 +89,18 @@ def test_awq_file_folds_scales_and_keeps_quality(tmp_path, q3k_files, scorer):
     assert [p.name for p in tmp_path.iterdir()] == ["awq.gguf"]  # the scratch checkpoint is gone
 
 
+def test_awq_then_gptq_writes_the_solved_bytes_of_the_scaled_model(tmp_path, q3k_files, scorer):
+    rtn, _, _ = q3k_files
+    out = tmp_path / "awq-gptq.gguf"
+    result = export_calibrated(
+        ExportConfig(REFERENCE_MODEL, out, Target.q3_k), GGUFMethod.awq_gptq, CALIBRATION, awq=GGUFAWQMethodConfig(n_grid=5)
+    )
+    a, b = tensors(rtn), tensors(out)
+    assert not np.array_equal(a["blk.0.attn_norm.weight"], b["blk.0.attn_norm.weight"])
+    assert any("below ggml's rounding" in note for note in result.notes)
+    assert scorer(out).kld < 0.85 * scorer(rtn).kld
+
+
 def test_cli_gptq_export(tmp_path):
     from typer.testing import CliRunner
 
