@@ -24,7 +24,6 @@ from __future__ import annotations
 import enum
 import json
 import logging
-import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,6 +41,7 @@ from compress.formats.gguf.imatrix import read_imatrix
 from compress.formats.gguf.plan import Target
 from compress.formats.gguf.sizes import GGMLType, row_bytes
 from compress.formats.gguf.vocab import add_vocab
+from compress.formats.gguf.writer import atomic_gguf_writer
 
 log = logging.getLogger(__name__)
 
@@ -225,11 +225,8 @@ def export_gguf(
     entries = _tensor_plan(reader, hf, config.target)
     imatrix = read_imatrix(config.imatrix) if config.imatrix is not None else None
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
-    out.parent.mkdir(parents=True, exist_ok=True)
     result = ExportResult(out, config.target.value, arch)
-    writer = gguf.GGUFWriter(None, arch)
-    try:
+    with atomic_gguf_writer(out, arch) as writer:
         _add_metadata(writer, arch, hf, config.target)
         vocab = add_vocab(writer, config.model, hf["vocab_size"])
         result.notes.extend(vocab.notes)
@@ -248,7 +245,7 @@ def export_gguf(
             result.tensors.append(TensorRecord(gname, shape, kind.name, nbytes))
             if len(shape) > 1:
                 result.weight_count += rows * cols
-        writer.write_header_to_file(path=tmp)
+        writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
         for i, (name, gname, kind, shape) in enumerate(entries):
@@ -256,25 +253,18 @@ def export_gguf(
             if given is not None:
                 if given[0] != kind or given[1].shape != (shape[0], row_bytes(kind, shape[-1])):
                     raise CompressError(f"{name}: calibrated as {given[0].name} but the plan gives {kind.name}: rerun the export")
-                w = torch.from_numpy(given[1])  # rows of bytes permute like rows of weights
+                rows = torch.from_numpy(given[1])  # rows of bytes permute like rows of weights
             else:
-                w = reader.get(name).to(torch.float32)
+                rows = reader.get(name).to(torch.float32)
             if arch in PERMUTED_ARCHS and gname.startswith("blk.") and gname.split(".")[2] in ("attn_q", "attn_k"):
-                w = permute_rope(w, heads if gname.split(".")[2] == "attn_q" else kv_heads)
-            if given is not None:
-                data = w.numpy()
-            else:
+                rows = permute_rope(rows, heads if gname.split(".")[2] == "attn_q" else kv_heads)
+            data = rows.numpy()
+            if given is None:
                 entry = imatrix.entries.get(gname) if imatrix is not None and len(shape) > 1 else None
-                data = encode_tensor(w.numpy(), kind, entry.importance() if entry is not None else None)
+                data = encode_tensor(data, kind, entry.importance() if entry is not None else None)
             writer.write_tensor_data(np.ascontiguousarray(data).reshape(-1))
             if progress:
                 progress("writing tensors", i + 1, len(entries))
-        writer.close()
-        os.replace(tmp, out)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
     result.file_bytes = out.stat().st_size
     result.seconds = time.perf_counter() - start
     return result
@@ -313,9 +303,8 @@ def export_from_spec(
     config = ExportConfig(model, spec.path, spec.type, spec.overwrite, spec.imatrix)
     if not spec.method.calibrated:
         return export_gguf(config, progress)
-    from compress.export_calibrated import Calibration, export_calibrated
+    from compress.export_calibrated import export_calibrated
 
     if calibration is None:
         raise CompressError(f"export method {spec.method.value} needs calibration data: add a calibration section")
-    cal = Calibration(calibration.path, calibration.samples, calibration.seq_len, calibration.seed, calibration.batch_size, device)
-    return export_calibrated(config, spec.method, cal, progress)
+    return export_calibrated(config, spec.method, calibration, progress, device=device)

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 import tempfile
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -43,20 +43,11 @@ from compress.methods.gguf import GGUFAWQ, GGUFGPTQ, GGUFAWQMethodConfig, GGUFGP
 from compress.methods.base import LayerReport
 from compress.model_io import open_model, quantizable_layers
 from compress.output import copy_side_files, write_config
+from compress.recipe import CalibrationSpec
 from compress.statistics import InputStatistics
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[str, int, int], None]
-
-
-@dataclass(frozen=True)
-class Calibration:
-    path: Path
-    samples: int = 128
-    seq_len: int = 512
-    seed: int = 0
-    batch_size: int = 8
-    device: str = "cpu"
 
 
 OUTPUT_LAYER = "lm_head"  # the llama-family output layer (GGUF output.weight)
@@ -100,10 +91,11 @@ def layer_types(model: Path, config: ExportConfig) -> dict[str, GGMLType]:
 
 
 def export_calibrated(
-    config: ExportConfig, method: GGUFMethod, calibration: Calibration, progress: ProgressFn | None = None,
-    gptq: GGUFGPTQMethodConfig | None = None, awq: GGUFAWQMethodConfig | None = None,
+    config: ExportConfig, method: GGUFMethod, calibration: CalibrationSpec, progress: ProgressFn | None = None,
+    gptq: GGUFGPTQMethodConfig | None = None, awq: GGUFAWQMethodConfig | None = None, device: str = "cpu",
 ) -> ExportResult:
-    """Calibrate ``config.model`` with ``method`` (gptq, awq or awq-gptq) and write the GGUF file ``config.output``."""
+    """Calibrate ``config.model`` with ``method`` (gptq, awq or awq-gptq) on ``calibration`` (a recipe's
+    calibration section) and write the GGUF file ``config.output``."""
     start = time.perf_counter()
     if not method.calibrated:
         raise CompressError(f"--method {method.value} needs no calibration: use export_gguf")
@@ -115,7 +107,7 @@ def export_calibrated(
     types = layer_types(config.model, config)
     blocks = [handle.block_name(i) for i in range(len(handle.blocks))]
     layers = {n: m for n, m in quantizable_layers(handle.model, blocks).items() if n in types}
-    device = resolve_device(calibration.device)
+    device = resolve_device(device)
     head, solver, stages = None, None, []
     if method.scales:
         stages.append(Stage(GGUFAWQ(awq or GGUFAWQMethodConfig(), types), layers))

@@ -62,9 +62,10 @@ def export_command(
     with progress_bars(not as_json) as progress, tempfile.TemporaryDirectory() as scratch:
         config = ExportConfig(model, output, target, overwrite)
         if kind.calibrated:
-            from compress.export_calibrated import Calibration, export_calibrated
+            from compress.export_calibrated import export_calibrated
+            from compress.recipe import CalibrationSpec
 
-            result = export_calibrated(config, kind, Calibration(calib, samples, seq_len, device=device), progress)
+            result = export_calibrated(config, kind, CalibrationSpec(path=calib, samples=samples, seq_len=seq_len), progress, device=device)
         else:
             if calib is not None:
                 from compress.imatrix import ImatrixConfig, run_imatrix

@@ -10,13 +10,13 @@ squared) and ``W.counts`` with ``ne = [1, n_mat]`` (tokens seen); ``n_mat`` is 1
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 
 from compress.errors import CompressError
+from compress.formats.gguf.writer import atomic_gguf_writer
 
 
 @dataclass
@@ -41,29 +41,19 @@ class Imatrix:
 
 def write_imatrix(path: Path, imatrix: Imatrix) -> None:
     """Write ``imatrix`` to ``path`` atomically (temporary name, then rename)."""
-    import gguf
-
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    writer = gguf.GGUFWriter(tmp, arch="")
-    writer.kv_data[0].pop("general.architecture", None)  # an imatrix file names no architecture
-    writer.add_type("imatrix")
-    writer.add_array("imatrix.datasets", imatrix.datasets or ["unknown"])
-    writer.add_uint32("imatrix.chunk_count", imatrix.chunk_count)
-    writer.add_uint32("imatrix.chunk_size", imatrix.chunk_size)
-    for name in sorted(imatrix.entries):
-        entry = imatrix.entries[name]
-        writer.add_tensor(f"{name}.in_sum2", entry.in_sum2.astype(np.float32).reshape(1, -1))
-        writer.add_tensor(f"{name}.counts", np.array([[entry.count]], dtype=np.float32))
-    try:
+    with atomic_gguf_writer(path, arch="") as writer:
+        writer.kv_data[0].pop("general.architecture", None)  # an imatrix file names no architecture
+        writer.add_type("imatrix")
+        writer.add_array("imatrix.datasets", imatrix.datasets or ["unknown"])
+        writer.add_uint32("imatrix.chunk_count", imatrix.chunk_count)
+        writer.add_uint32("imatrix.chunk_size", imatrix.chunk_size)
+        for name in sorted(imatrix.entries):
+            entry = imatrix.entries[name]
+            writer.add_tensor(f"{name}.in_sum2", entry.in_sum2.astype(np.float32).reshape(1, -1))
+            writer.add_tensor(f"{name}.counts", np.array([[entry.count]], dtype=np.float32))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        writer.close()
-        tmp.unlink(missing_ok=True)
-        raise
 
 
 def read_imatrix(path: Path) -> Imatrix:

@@ -17,6 +17,7 @@ from compress.formats.gguf._common import (
     F32, _running_sum, fp16_bytes, fp16_field, fp16_round, importance_weights, make_qkx2_quants, make_qp_quants,
     mean_square, nearest_int,
 )
+from compress.formats.gguf import q4_k
 from compress.formats.gguf.q4_k import KGrid
 from compress.formats.gguf.sizes import GGMLType
 
@@ -44,13 +45,7 @@ def fit_grid(blocks: np.ndarray) -> KGrid:
 
 
 def round_codes(blocks: np.ndarray, grid: KGrid) -> np.ndarray:
-    n = blocks.shape[0]
-    x = blocks.reshape(n, 16, SUB)
-    step = grid.scale()[..., None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = nearest_int((x + grid.offset()[..., None]) / np.where(step == 0, F32(1), step))
-    dead = 0 if grid.fallback is None else grid.fallback.reshape(n, 16, SUB)
-    return np.where(step == 0, dead, np.clip(q, 0, 3)).reshape(n, 256).astype(np.uint8)
+    return q4_k.round_codes(blocks, grid, 3)
 
 
 def pack_crumbs(codes: np.ndarray) -> np.ndarray:

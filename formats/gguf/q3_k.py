@@ -52,14 +52,15 @@ def fit_grid(blocks: np.ndarray) -> SGrid:
     return SGrid(fp16_round(d), np.where(zero, -32, sc).astype(np.int8), first.reshape(n, 256))
 
 
-def round_codes(blocks: np.ndarray, grid: SGrid) -> np.ndarray:
-    """Codes in [0, 7] (stored value; the weight is ``step·(code − 4)``) ``[N, 256]``."""
+def round_codes(blocks: np.ndarray, grid: SGrid, half: int = 4) -> np.ndarray:
+    """Codes in [0, 2·half − 1] (stored value; the weight is ``step·(code − half)``) ``[N, 256]``;
+    Q6_K shares this with ``half`` 32."""
     n = blocks.shape[0]
     step = grid.scale()[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
         q = nearest_int(blocks.reshape(n, 16, SUB) / np.where(step == 0, F32(1), step))
-    dead = 4 if grid.fallback is None else grid.fallback.reshape(n, 16, SUB)
-    return np.where(step == 0, dead, np.clip(q, -4, 3) + 4).reshape(n, 256).astype(np.uint8)
+    dead = half if grid.fallback is None else grid.fallback.reshape(n, 16, SUB)
+    return np.where(step == 0, dead, np.clip(q, -half, half - 1) + half).reshape(n, 256).astype(np.uint8)
 
 
 def pack_scales(sc: np.ndarray) -> np.ndarray:

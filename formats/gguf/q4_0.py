@@ -19,14 +19,21 @@ KIND = GGMLType.Q4_0
 CODES = (0, 15)  # stored codes; the weight is d·(code − 8)
 
 
-def fit_grid(blocks: np.ndarray) -> np.ndarray:
-    """Per-block scale ``d`` before float16 storage, ``[N, 1]``."""
-    return (signed_absmax(blocks) / F32(-8)).astype(F32)
+def fit_grid(blocks: np.ndarray, nmax: int = 8) -> np.ndarray:
+    """Per-block scale ``d`` before float16 storage, ``[N, 1]`` (``nmax`` 8; Q5_0 shares this with 16)."""
+    return (signed_absmax(blocks) / F32(-nmax)).astype(F32)
 
 
-def round_codes(blocks: np.ndarray, d: np.ndarray) -> np.ndarray:
-    """Codes in [0, 15] for a given per-block scale (ggml rounds with the unrounded d)."""
-    return np.clip(np.trunc(blocks * safe_reciprocal(d) + F32(8.5)), 0, 15).astype(np.uint8)
+def round_codes(blocks: np.ndarray, d: np.ndarray, nmax: int = 8) -> np.ndarray:
+    """Codes in [0, 2·nmax − 1] for a given per-block scale (ggml rounds with the unrounded d)."""
+    return np.clip(np.trunc(blocks * safe_reciprocal(d) + F32(nmax + 0.5)), 0, 2 * nmax - 1).astype(np.uint8)
+
+
+def weighted_fit(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray, nmax: int = 8) -> tuple[np.ndarray, np.ndarray]:
+    """(``d``, codes) of ``quantize_row_q4_0_impl`` (Q5_0: nmax 16): weights ``qw·sqrt(σ² + x²)`` with
+    σ² = mean(x²) over the whole row (``row_sigma2`` ``[N, 1]``), a weighted `make_qx_quants` fit."""
+    blocks = blocks.astype(F32, copy=False)
+    return make_qx_quants(blocks, nmax, importance_weights(blocks, qw, row_sigma2))
 
 
 def pack(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
@@ -51,8 +58,5 @@ def decode(data: np.ndarray) -> np.ndarray:
 
 
 def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) -> np.ndarray:
-    """``quantize_row_q4_0_impl``: weights ``qw·sqrt(σ² + x²)`` with σ² = mean(x²) over the whole row
-    (``row_sigma2`` ``[N, 1]``), a weighted `make_qx_quants` fit; its codes are stored as they are."""
-    blocks = blocks.astype(F32, copy=False)
-    d, q = make_qx_quants(blocks, 8, importance_weights(blocks, qw, row_sigma2))
-    return pack(d, q)
+    """`weighted_fit`; its codes are stored as they are."""
+    return pack(*weighted_fit(blocks, qw, row_sigma2))

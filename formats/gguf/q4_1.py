@@ -18,14 +18,23 @@ KIND = GGMLType.Q4_1
 CODES = (0, 15)  # the weight is d·code + m
 
 
-def fit_grid(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per-block (d, min) before float16 storage, each ``[N, 1]``."""
+def fit_grid(blocks: np.ndarray, nmax: int = 15) -> tuple[np.ndarray, np.ndarray]:
+    """Per-block (d, min) before float16 storage, each ``[N, 1]`` (``nmax`` 15; Q5_1 shares this with 31)."""
     lo = blocks.min(axis=1, keepdims=True)
-    return ((blocks.max(axis=1, keepdims=True) - lo) / F32(15)).astype(F32), lo
+    return ((blocks.max(axis=1, keepdims=True) - lo) / F32(nmax)).astype(F32), lo
 
 
-def round_codes(blocks: np.ndarray, d: np.ndarray, lo: np.ndarray) -> np.ndarray:
-    return np.clip(np.trunc((blocks - lo) * safe_reciprocal(d) + F32(0.5)), 0, 15).astype(np.uint8)
+def round_codes(blocks: np.ndarray, d: np.ndarray, lo: np.ndarray, nmax: int = 15) -> np.ndarray:
+    return np.clip(np.trunc((blocks - lo) * safe_reciprocal(d) + F32(0.5)), 0, nmax).astype(np.uint8)
+
+
+def weighted_fit(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray, nmax: int = 15):
+    """((``d``, ``m``), codes) of ``quantize_row_q4_1_impl`` (Q5_1: nmax 31): weights ``qw·sqrt(σ² + x²)``
+    (σ² = row mean of x²), then ``make_qkx3_quants`` (36 trial scales, weighted least squares)."""
+    blocks = blocks.astype(F32, copy=False)
+    w = importance_weights(blocks, qw, row_sigma2)
+    d, the_min, q = make_qkx2_quants(blocks, w, nmax, -0.9, 0.05, 36, use_mad=False)
+    return (d, -the_min), q
 
 
 def pack(grid: tuple[np.ndarray, np.ndarray], codes: np.ndarray) -> np.ndarray:
@@ -51,9 +60,5 @@ def decode(data: np.ndarray) -> np.ndarray:
 
 
 def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) -> np.ndarray:
-    """``quantize_row_q4_1_impl``: weights ``qw·sqrt(σ² + x²)`` (σ² = row mean of x²), then
-    ``make_qkx3_quants`` (36 trial scales, weighted least squares); its codes are stored as they are."""
-    blocks = blocks.astype(F32, copy=False)
-    w = importance_weights(blocks, qw, row_sigma2)
-    d, the_min, q = make_qkx2_quants(blocks, w, 15, -0.9, 0.05, 36, use_mad=False)
-    return pack((d, -the_min), q)
+    """`weighted_fit`; its codes are stored as they are."""
+    return pack(*weighted_fit(blocks, qw, row_sigma2))

@@ -71,13 +71,14 @@ def fit_grid(blocks: np.ndarray) -> KGrid:
 
 
 def round_codes(blocks: np.ndarray, grid: KGrid, nmax: int = 15) -> np.ndarray:
-    """Codes in [0, nmax] ``[N, 256]``: ``round((x + dmin·m)/(d·sc))``; 0 where ``d·sc`` is 0."""
+    """Codes in [0, nmax] ``[N, 256]``: ``round((x + dmin·m)/(d·sc))``; 0 where ``d·sc`` is 0. Shared by
+    Q5_K (nmax 31) and Q2_K (nmax 3, 16 sub-blocks: the grid's scales say how many)."""
     n = blocks.shape[0]
-    x = blocks.reshape(n, 8, SUB)
+    x = blocks.reshape(n, grid.sc.shape[1], -1)
     step = grid.scale()[..., None]
     with np.errstate(divide="ignore", invalid="ignore"):
         q = nearest_int((x + grid.offset()[..., None]) / np.where(step == 0, F32(1), step))
-    dead = 0 if grid.fallback is None else grid.fallback.reshape(n, -1, SUB)
+    dead = 0 if grid.fallback is None else grid.fallback.reshape(x.shape)
     return np.where(step == 0, dead, np.clip(q, 0, nmax)).reshape(n, 256).astype(np.uint8)
 
 

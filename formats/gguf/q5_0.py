@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from compress.formats.gguf._common import (
-    F32, fp16_bytes, fp16_field, importance_weights, make_qx_quants, nibbles, safe_reciprocal, signed_absmax,
-)
+from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, nibbles
+from compress.formats.gguf import q4_0
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q5_0
@@ -20,11 +19,11 @@ CODES = (0, 31)  # the weight is d·(code − 16)
 
 
 def fit_grid(blocks: np.ndarray) -> np.ndarray:
-    return (signed_absmax(blocks) / F32(-16)).astype(F32)
+    return q4_0.fit_grid(blocks, 16)
 
 
 def round_codes(blocks: np.ndarray, d: np.ndarray) -> np.ndarray:
-    return np.clip(np.trunc(blocks * safe_reciprocal(d) + F32(16.5)), 0, 31).astype(np.uint8)
+    return q4_0.round_codes(blocks, d, 16)
 
 
 def pack_high_bits(q: np.ndarray) -> np.ndarray:
@@ -60,6 +59,4 @@ def decode(data: np.ndarray) -> np.ndarray:
 
 def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) -> np.ndarray:
     """``quantize_row_q5_0_impl``: as Q4_0's with nmax 16."""
-    blocks = blocks.astype(F32, copy=False)
-    d, q = make_qx_quants(blocks, 16, importance_weights(blocks, qw, row_sigma2))
-    return pack(d, q)
+    return pack(*q4_0.weighted_fit(blocks, qw, row_sigma2, 16))

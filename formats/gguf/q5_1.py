@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from compress.formats.gguf._common import (
-    F32, fp16_bytes, fp16_field, importance_weights, make_qkx2_quants, nibbles, safe_reciprocal,
-)
+from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, nibbles
+from compress.formats.gguf import q4_1
 from compress.formats.gguf.q5_0 import pack_high_bits, unpack_high_bits
 from compress.formats.gguf.sizes import GGMLType
 
@@ -20,12 +19,11 @@ CODES = (0, 31)  # the weight is d·code + m
 
 
 def fit_grid(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    lo = blocks.min(axis=1, keepdims=True)
-    return ((blocks.max(axis=1, keepdims=True) - lo) / F32(31)).astype(F32), lo
+    return q4_1.fit_grid(blocks, 31)
 
 
 def round_codes(blocks: np.ndarray, d: np.ndarray, lo: np.ndarray) -> np.ndarray:
-    return np.clip(np.trunc((blocks - lo) * safe_reciprocal(d) + F32(0.5)), 0, 31).astype(np.uint8)
+    return q4_1.round_codes(blocks, d, lo, 31)
 
 
 def pack(grid: tuple[np.ndarray, np.ndarray], codes: np.ndarray) -> np.ndarray:
@@ -54,7 +52,4 @@ def decode(data: np.ndarray) -> np.ndarray:
 
 def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) -> np.ndarray:
     """``quantize_row_q5_1_impl``: as Q4_1's with nmax 31."""
-    blocks = blocks.astype(F32, copy=False)
-    w = importance_weights(blocks, qw, row_sigma2)
-    d, the_min, q = make_qkx2_quants(blocks, w, 31, -0.9, 0.05, 36, use_mad=False)
-    return pack((d, -the_min), q)
+    return pack(*q4_1.weighted_fit(blocks, qw, row_sigma2, 31))

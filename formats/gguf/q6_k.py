@@ -17,6 +17,7 @@ import numpy as np
 from compress.formats.gguf._common import (
     F32, fp16_bytes, fp16_field, fp16_round, make_qx_quants, nearest_int, signed_absmax,
 )
+from compress.formats.gguf import q3_k
 from compress.formats.gguf.q3_k import SGrid
 from compress.formats.gguf.sizes import GGMLType
 
@@ -43,12 +44,7 @@ def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> SGrid:
 
 def round_codes(blocks: np.ndarray, grid: SGrid) -> np.ndarray:
     """Codes in [0, 63] (the weight is ``step·(code − 32)``) ``[N, 256]``."""
-    n = blocks.shape[0]
-    step = grid.scale()[..., None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = nearest_int(blocks.reshape(n, 16, SUB) / np.where(step == 0, F32(1), step))
-    dead = 32 if grid.fallback is None else grid.fallback.reshape(n, 16, SUB)
-    return np.where(step == 0, dead, np.clip(q, -32, 31) + 32).reshape(n, 256).astype(np.uint8)
+    return q3_k.round_codes(blocks, grid, 32)
 
 
 def pack(grid: SGrid, codes: np.ndarray) -> np.ndarray:

@@ -11,13 +11,14 @@ pytest.importorskip("gguf")
 
 from compress.eval.perplexity import evaluate  # noqa: E402
 from compress.export import ExportConfig, GGUFMethod, export_gguf  # noqa: E402
-from compress.export_calibrated import Calibration, export_calibrated  # noqa: E402
+from compress.export_calibrated import export_calibrated  # noqa: E402
 from compress.formats.gguf.plan import Target  # noqa: E402
 from compress.methods.gguf import GGUFAWQMethodConfig  # noqa: E402
+from compress.recipe import CalibrationSpec  # noqa: E402
 from conftest import CALIB_TEXT, EVAL_TEXT, REFERENCE_MODEL  # noqa: E402
 from gguf_reference import transformers_model  # noqa: E402
 
-CALIBRATION = Calibration(CALIB_TEXT, samples=16, seq_len=256)
+CALIBRATION = CalibrationSpec(path=CALIB_TEXT, samples=16, seq_len=256)
 
 
 @pytest.fixture(scope="module")
