@@ -1,7 +1,7 @@
 """Quality of our GGUF export methods next to llama.cpp's quantizer, per type, on one model.
 
     python bench/gguf_quality.py [--model eval/assets/reference-llama] [--types q4_k q3_k q2_k]
-        [--methods llama.cpp llama.cpp+imatrix rtn imatrix gptq awq] [--samples 64] [--seq-len 512]
+        [--methods llama.cpp llama.cpp+imatrix rtn imatrix gptq awq awq-gptq] [--samples 64] [--seq-len 512]
         [--calib eval/assets/shakespeare-calib-slice.txt] [--text eval/assets/shakespeare-test-slice.txt]
         [--rounded-input] [--workdir DIR] [--json PATH]
 
@@ -11,7 +11,7 @@ file in which every matrix has that type (token_embd and output included):
 - ``llama.cpp+imatrix``: the built ``llama-quantize --pure --imatrix`` of the F16 file, the imatrix from
   the built ``llama-imatrix`` on the F16 file over the first ``samples`` windows of ``seq-len`` tokens of
   the calibration text (no BOS: the file's ``add_bos_token`` is false);
-- ``rtn``, ``imatrix``, ``gptq``, ``awq``: ``compress export --method M`` (the calibrated ones with
+- ``rtn``, ``imatrix``, ``gptq``, ``awq``, ``awq-gptq``: ``compress export --method M`` (the calibrated ones with
   ``--calib TEXT --samples N --seq-len L``: ``samples`` random windows of the same text, seed 0, so the
   same number of calibration tokens as llama-imatrix, not the same windows). Methods our CLI rejects
   (exit status 2, e.g. not implemented yet) are skipped with a note.
@@ -40,9 +40,9 @@ from llama_cpp_tools import llama_imatrix, llama_quantize
 from compress.eval.report import GGUFBackend, Protocol, evaluate_outputs
 from compress.formats.gguf.plan import FILE_TYPE, Target
 
-METHODS = ["llama.cpp", "llama.cpp+imatrix", "rtn", "imatrix", "gptq", "awq"]
-LABELS = {"llama.cpp": "llama.cpp", "llama.cpp+imatrix": "llama.cpp + imatrix", "rtn": "ours rtn",
-          "imatrix": "ours imatrix", "gptq": "ours gptq", "awq": "ours awq"}
+OURS = ["rtn", "imatrix", "gptq", "awq", "awq-gptq"]
+METHODS = ["llama.cpp", "llama.cpp+imatrix", *OURS]
+LABELS = {"llama.cpp": "llama.cpp", "llama.cpp+imatrix": "llama.cpp + imatrix", **{m: f"ours {m}" for m in OURS}}
 
 
 @dataclass
@@ -86,7 +86,7 @@ def with_ours(method: str) -> Callable[[Setup, str, Path], None]:
 
 
 PRODUCERS = {"llama.cpp": with_llama_cpp, "llama.cpp+imatrix": with_llama_cpp_imatrix,
-             **{m: with_ours(m) for m in ("rtn", "imatrix", "gptq", "awq")}}
+             **{m: with_ours(m) for m in OURS}}
 
 
 def write_files(setup: Setup, kinds: list[str], methods: list[str]) -> tuple[list[dict], list[str]]:
