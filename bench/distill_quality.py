@@ -31,8 +31,8 @@ CORPUS = REPO.parent / "shared" / "corpus" / "shakespeare"
 def _nm_ok(model_dir: Path) -> tuple[bool, int]:
     """Whether every decoder-block linear layer of the checkpoint is 2:4, and how many layers were checked."""
     from compress.distill.student import decoder_blocks
-    from compress.evaluation import load_model
-    from compress.model_io import get_weight, quantizable_layers
+    from compress.checkpoints.loading import load_model
+    from compress.checkpoints.model_io import get_weight, quantizable_layers
     from compress.pruners.masks import is_nm_sparse
 
     model = load_model(model_dir, torch.device("cpu"))
@@ -59,8 +59,8 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING)
 
     from compress.distill.config import DistillSpec, StudentSpec
-    from compress.distill.run import run_distill, run_distill_recipe
-    from compress.recipe import EvaluationSpec, OutputSpec, parse_recipe
+    from compress.run.distill import run_distill, run_distill_recipe
+    from compress.run.recipe import EvaluationSpec, OutputSpec, parse_recipe
 
     for path in (args.train_text, args.eval_text):
         if not path.is_file():

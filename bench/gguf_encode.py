@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from compress.export import ExportConfig, export_gguf
+from compress.export.gguf import ExportConfig, export_gguf
 from compress.formats.gguf.codecs import encode_tensor
 from compress.formats.gguf.plan import FILE_TYPE, Target
 from compress.formats.gguf.sizes import GGMLType

@@ -31,7 +31,7 @@ import numpy as np
 
 from llama_cpp_tools import llama_imatrix, llama_quantize
 
-from compress.export import ExportConfig, export_gguf
+from compress.export.gguf import ExportConfig, export_gguf
 from compress.formats.gguf.imatrix import Imatrix, read_imatrix
 from compress.formats.gguf.plan import FILE_TYPE, Target
 
@@ -97,8 +97,8 @@ def f16_rounded_copy(model: Path, dst: Path) -> Path:
 
 def calibration_windows(model: Path, text: Path, seq_len: int) -> int:
     """How many disjoint ``seq_len``-token windows the text gives (our calibration sampler's limit)."""
-    from compress.calibration import load_calibration_text
-    from compress.evaluation import load_tokenizer
+    from compress.checkpoints.calibration import load_calibration_text
+    from compress.checkpoints.loading import load_tokenizer
 
     ids = load_tokenizer(model)(load_calibration_text(text), add_special_tokens=False, verbose=False)["input_ids"]
     return len(ids) // seq_len

@@ -16,9 +16,9 @@ from pathlib import Path
 
 import yaml
 
-from compress.recipe import parse_recipe
-from compress.registry import method_class
-from compress.runner import run_recipe
+from compress.run.recipe import parse_recipe
+from compress.engine.registry import method_class
+from compress.run.runner import run_recipe
 
 REPO = Path(__file__).resolve().parents[1]
 

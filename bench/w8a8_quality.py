@@ -16,8 +16,8 @@ import time
 from pathlib import Path
 
 from compress.eval.outliers import save_outlier_model
-from compress.recipe import parse_recipe
-from compress.runner import run_recipe
+from compress.run.recipe import parse_recipe
+from compress.run.runner import run_recipe
 from quality import quality_parser  # bench/ is the script's folder
 
 ROWS = {

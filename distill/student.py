@@ -30,7 +30,7 @@ from torch import nn
 
 from compress.distill.config import StudentSpec
 from compress.errors import CompressError
-from compress.model_io import find_decoder_blocks, get_weight, quantizable_layers
+from compress.checkpoints.model_io import find_decoder_blocks, get_weight, quantizable_layers
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def _text_config(config):
 
 def check_same_tokenizer(teacher_dir: Path, student_dir: Path) -> None:
     """Distillation compares distributions token by token: both models must use one tokenizer."""
-    from compress.evaluation import load_tokenizer
+    from compress.checkpoints.loading import load_tokenizer
 
     if load_tokenizer(teacher_dir).get_vocab() != load_tokenizer(student_dir).get_vocab():
         raise CompressError(
@@ -120,7 +120,7 @@ def build_student(
     teacher: nn.Module, teacher_dir: Path, spec: StudentSpec, trust_remote_code: bool = False
 ) -> tuple[nn.Module, Path]:
     """The student model (fp32, CPU) and the directory its tokenizer and side files come from."""
-    from compress.evaluation import load_model
+    from compress.checkpoints.loading import load_model
 
     if spec.checkpoint is not None:
         check_not_quantized(spec.checkpoint)

@@ -13,7 +13,7 @@ YAMLs from a folder and resolves relative ``data_files`` against the YAML's fold
 be moved anywhere; tasks not found there are looked up by name through lm-eval's own registry
 (``--include-path`` adds folders to it).
 
-Models. `run_lm_eval` wraps the model `compress.evaluation.load_model` loads (dense, fake-quantized or
+Models. `run_lm_eval` wraps the model `compress.checkpoints.loading.load_model` loads (dense, fake-quantized or
 packed with `QuantLinear` layers) in lm-eval's ``HFLM(pretrained=<nn.Module>, tokenizer=...)``: the same
 weights `compress eval ppl` measures, nothing downloaded.
 """
@@ -114,7 +114,7 @@ def run_lm_eval(
         from lm_eval.tasks import TaskManager
     except ImportError:
         raise CompressError("lm-eval is not installed: pip install 'llm-compress[lmeval]' (or pip install lm-eval)") from None
-    from compress.evaluation import load_model, load_tokenizer, resolve_device
+    from compress.checkpoints.loading import load_model, load_tokenizer, resolve_device
 
     if not tasks:
         raise CompressError("no lm-eval task given: pass --tasks, e.g. --tasks shakespeare_lastword")

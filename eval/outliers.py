@@ -5,7 +5,7 @@ al. 2022, LLM.int8(); Xiao et al. 2022, SmoothQuant). A 5 M-parameter model trai
 Wanda's activation-aware score and SmoothQuant's smoothing have nothing to work with. We create them
 without changing the function: at every norm that feeds linear layers, multiply a few channels of the
 norm's weight by ``factor`` and divide the same input columns of the linears it feeds by ``factor``
-(`compress.architecture.fold_scales` with ``s = 1/factor`` on those channels). The model's logits are
+(`compress.checkpoints.architecture.fold_scales` with ``s = 1/factor`` on those channels). The model's logits are
 unchanged up to float rounding; its activations now have outliers and its weights compensating tiny
 columns, as in real large models.
 
@@ -25,8 +25,8 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from compress.architecture import fold_scales, is_linear, resolve_groups
-from compress.model_io import find_decoder_blocks
+from compress.checkpoints.architecture import fold_scales, is_linear, resolve_groups
+from compress.checkpoints.model_io import find_decoder_blocks
 
 
 REFERENCE_OUTLIER_CHANNELS = (56, 98, 132, 192)

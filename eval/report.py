@@ -126,7 +126,7 @@ def nominal_bits(record: dict | None) -> float | None:
 
 def checkpoint_figures(path: Path) -> dict[str, Any]:
     """Size, block-linear bits per weight and sparsity of a checkpoint, from `inspect_model`."""
-    from compress.inspection import inspect_model
+    from compress.checkpoints.inspection import inspect_model
 
     info = inspect_model(path)
     storage, record = info["storage"], info.get("compression")
@@ -180,7 +180,7 @@ def load_gguf_dequantized(path: Path, baseline_path: Path, device: torch.device)
     """The baseline's architecture with every weight replaced by the GGUF file's, dequantized by gguf-py."""
     import gguf
 
-    from compress.evaluation import load_model
+    from compress.checkpoints.loading import load_model
     from compress.formats.gguf.plan import gguf_name
 
     reader = gguf.GGUFReader(path)
@@ -276,7 +276,7 @@ def make_row(path: Path, result, evaluator: Evaluator | None = None, fig: dict[s
 
 # -- the report ----------------------------------------------------------------------------------------
 def tokenize(baseline: Path, protocol: Protocol) -> torch.Tensor:
-    from compress.evaluation import load_tokenizer, read_eval_text
+    from compress.checkpoints.loading import load_tokenizer, read_eval_text
 
     tokenizer = load_tokenizer(baseline)
     ids = tokenizer(read_eval_text(protocol.text), add_special_tokens=False, verbose=False)["input_ids"]
@@ -301,7 +301,7 @@ def evaluate_outputs(
     """Score ``outputs`` and ``baseline`` under ``protocol``. ``done``: rows already measured under the
     same protocol, by path (a resumed sweep), reused as they are."""
     from compress.eval.perplexity import evaluate
-    from compress.evaluation import load_model, load_tokenizer, resolve_device
+    from compress.checkpoints.loading import load_model, load_tokenizer, resolve_device
 
     for path in outputs:
         _check_output(path)

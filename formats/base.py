@@ -71,16 +71,3 @@ class PackFormat(ABC):
     @abstractmethod
     def config(self, packed: dict[str, PackedLayer], dense: list[str]) -> dict[str, Any]:
         """config.json's ``quantization_config`` for the packed layers; ``dense`` lists every other Linear."""
-
-
-def make_format(kind: OutputFormat) -> PackFormat | None:
-    """The writer for ``kind`` (None: fake quantization, dense weights)."""
-    if kind == OutputFormat.compressed_tensors:
-        from compress.formats.compressed_tensors import CompressedTensorsFormat
-
-        return CompressedTensorsFormat()
-    if kind == OutputFormat.gptq:
-        from compress.formats.gptq import GPTQFormat
-
-        return GPTQFormat()
-    return None

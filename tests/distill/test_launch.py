@@ -14,8 +14,8 @@ from conftest import CALIB_TEXT
 from safetensors.torch import load_file
 
 from compress.distill.config import DistillSpec, StudentSpec
-from compress.distill.run import LOG_FILE, run_distill
-from compress.recipe import OutputSpec
+from compress.run.distill import LOG_FILE, run_distill
+from compress.run.recipe import OutputSpec
 
 
 def _free_port() -> int:

@@ -11,11 +11,11 @@ from references import one_line_error
 from safetensors.torch import load_file
 
 from compress.distill.config import DistillSpec, StudentSpec
-from compress.distill.run import run_distill
+from compress.run.distill import run_distill
 from compress.distill.train import batch_windows, lr_factor
 from compress.errors import CompressError
 from compress.pruners.masks import is_nm_sparse
-from compress.recipe import EvaluationSpec, OutputSpec
+from compress.run.recipe import EvaluationSpec, OutputSpec
 
 
 def _spec(**kw) -> DistillSpec:
@@ -69,7 +69,7 @@ def test_resume_without_checkpoint_or_with_other_settings_is_an_error(tiny_llama
 
 
 def test_pruned_student_stays_exactly_2_of_4(tiny_llama, tiny_tokenizer, tmp_path):
-    from compress.evaluation import load_model
+    from compress.checkpoints.loading import load_model
 
     model = load_model(tiny_llama, torch.device("cpu"))
     with torch.no_grad():

@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from compress.eval.reference_model import ReferenceModelConfig, default_model_path, train_reference_model
-from compress.recipe import parse_recipe
-from compress.runner import run_recipe
+from compress.run.recipe import parse_recipe
+from compress.run.runner import run_recipe
 from conftest import CALIB_TEXT, EVAL_TEXT, REFERENCE_MODEL
 
 MAX_BYTES = 25 * 2**20

@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 from compress.cli import app
 from compress.eval.report import GGUFBackend, Protocol, evaluate_outputs, nominal_bits, unpermute_rope
 from compress.eval.report_render import XAxis, YAxis, pareto_front, write_report
-from compress.recipe import parse_recipe
-from compress.runner import run_recipe
+from compress.run.recipe import parse_recipe
+from compress.run.runner import run_recipe
 from conftest import EVAL_TEXT, REFERENCE_MODEL
 from references import one_line_error
 
@@ -44,7 +44,7 @@ def test_pareto_front_by_hand():
 
 
 def test_unpermute_inverts_the_exporters_permutation():
-    from compress.export import permute_rope
+    from compress.export.gguf import permute_rope
 
     w = torch.randn(64, 48)
     for heads in (1, 2, 4):
@@ -139,10 +139,10 @@ def gguf_pair(tmp_path_factory):
     own GGUF loader (an independent consumer): the safetensors of the same quantization."""
     from transformers import AutoModelForCausalLM
 
-    from compress.evaluation import load_model
-    from compress.export import ExportConfig, export_gguf
+    from compress.checkpoints.loading import load_model
+    from compress.export.gguf import ExportConfig, export_gguf
     from compress.formats.gguf.plan import Target
-    from compress.output import copy_side_files
+    from compress.checkpoints.output import copy_side_files
 
     root = tmp_path_factory.mktemp("gguf")
     path = root / "ref-q4_0.gguf"

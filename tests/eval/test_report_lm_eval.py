@@ -19,7 +19,7 @@ LIMIT = 12
 
 def textbook_mc_accuracy(model_dir, docs) -> float:
     """Sum of the choice tokens' log-probabilities after the context; correct when the true choice is the max."""
-    from compress.evaluation import load_model, load_tokenizer
+    from compress.checkpoints.loading import load_model, load_tokenizer
 
     model, tok = load_model(model_dir, torch.device("cpu")), load_tokenizer(model_dir)
     right = 0
@@ -51,8 +51,8 @@ def test_shipped_task_is_local_and_well_formed():
 
 @pytest.fixture(scope="module")
 def quantized(tmp_path_factory):
-    from compress.recipe import parse_recipe
-    from compress.runner import run_recipe
+    from compress.run.recipe import parse_recipe
+    from compress.run.runner import run_recipe
 
     out = tmp_path_factory.mktemp("lm-eval") / "ref-rtn-w3"
     run_recipe(parse_recipe({"model": REFERENCE_MODEL, "stages": [{"method": "rtn", "bits": 3, "group_size": 64}], "output": {"path": out}}))

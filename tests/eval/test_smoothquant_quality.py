@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from compress.recipe import parse_recipe
-from compress.runner import run_recipe
+from compress.run.recipe import parse_recipe
+from compress.run.runner import run_recipe
 from conftest import CALIB_TEXT, EVAL_TEXT, REFERENCE_MODEL
 
 _KLD: dict[tuple[str, bool, str], float] = {}

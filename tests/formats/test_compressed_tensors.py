@@ -10,15 +10,15 @@ import torch
 
 from conftest import CALIB_TEXT, EVAL_TEXT, REFERENCE_MODEL
 from references import one_line_error, random_weight
-from compress import registry
+from compress.engine import registry
 from compress.eval.perplexity import evaluate
 from compress.formats import compressed_tensors as ct
-from compress.methods.base import LayerOutcome
-from compress.methods.rtn import RTN
+from compress.engine.methods.base import LayerOutcome
+from compress.engine.methods.rtn import RTN
 from compress.quantizers.grid import QuantScheme
 from compress.quantizers.rtn import rtn
-from compress.recipe import parse_recipe
-from compress.runner import run_recipe
+from compress.run.recipe import parse_recipe
+from compress.run.runner import run_recipe
 
 pytest.importorskip("compressed_tensors")
 
@@ -67,7 +67,7 @@ def test_transformers_loads_our_output_like_the_fake_quantized_model(case, tmp_p
     # the default path builds an unpacked [out, G] zero point and rejects the packed one.
     kwargs = {} if symmetric else {"quantization_config": CompressedTensorsConfig(dequantize=True)}
     consumer, reference = hf_load(packed, **kwargs), hf_load(fake)
-    from compress.evaluation import load_model
+    from compress.checkpoints.loading import load_model
 
     ours = load_model(packed, torch.device("cpu"))
     x = tokens[:256].reshape(2, 128)
@@ -142,7 +142,7 @@ def test_w8a8_int_quantized_loads_in_transformers_and_ours(static, tmp_path, mon
 
     from transformers.utils.quantization_config import CompressedTensorsConfig
 
-    from compress.evaluation import load_model
+    from compress.checkpoints.loading import load_model
 
     fake = hf_load(quantize(tmp_path / "fake", "fake", 8, True, -1))
     dequantized = hf_load(packed, quantization_config=CompressedTensorsConfig(dequantize=True))
@@ -185,7 +185,7 @@ def test_mixed_precision_stages_get_one_config_group_each(tmp_path, tiny_llama):
     groups = sorted(qc["config_groups"].values(), key=lambda g: g["weights"]["num_bits"])
     assert [g["weights"]["num_bits"] for g in groups] == [4, 8]
     assert all("mlp" not in t for t in groups[0]["targets"]) and all("mlp" in t for t in groups[1]["targets"])
-    from compress.evaluation import load_model
+    from compress.checkpoints.loading import load_model
 
     x = torch.randint(0, 200, (1, 12))
     fake = hf_load(outs["fake"])
@@ -200,7 +200,7 @@ def test_smoothquant_output_is_int_quantized_and_matches_the_fake_w8a8_model(nam
     """SmoothQuant's W8A8: packed int-quantized with its activation settings. Our QuantLinear path and the
     fake output (dense weights + evaluation's activation hooks, written independently) give the same logits;
     with a later GPTQ stage the layers keep SmoothQuant's activation quantization and static scales."""
-    from compress.evaluation import load_model
+    from compress.checkpoints.loading import load_model
 
     stages = {
         "token": [{"method": "smoothquant"}],

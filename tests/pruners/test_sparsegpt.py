@@ -123,8 +123,8 @@ def test_config_and_shape_validation():
 
 def test_method_names_the_layer_when_statistics_are_broken():
     from compress.errors import CompressError
-    from compress.methods.prune import SparseGPT
-    from compress.statistics import Stat
+    from compress.engine.methods.prune import SparseGPT
+    from compress.engine.statistics import Stat
 
     method = SparseGPT(SparseGPT.Config(pattern="2:4"))
     hessian = torch.eye(8)

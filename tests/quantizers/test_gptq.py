@@ -281,8 +281,8 @@ def test_small_layer_and_bf16_weight():
 
 def test_method_names_the_layer_when_statistics_are_broken():
     from compress.errors import CompressError
-    from compress.methods.gptq import GPTQ
-    from compress.statistics import Stat
+    from compress.engine.methods.gptq import GPTQ
+    from compress.engine.statistics import Stat
 
     method = GPTQ(GPTQ.Config(bits=4, group_size=-1))
     hessian = torch.eye(8)

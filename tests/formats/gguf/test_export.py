@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("gguf")
 
 from compress.errors import CompressError  # noqa: E402
-from compress.export import ExportConfig, export_gguf, permute_rope  # noqa: E402
+from compress.export.gguf import ExportConfig, export_gguf, permute_rope  # noqa: E402
 from compress.formats.gguf.plan import Target  # noqa: E402
 from conftest import REFERENCE_MODEL, save_random_model, tiny_llama_config  # noqa: E402
 from gguf_reference import read_fields, tensor_types, transformers_model  # noqa: E402
@@ -166,7 +166,7 @@ def test_existing_output_needs_overwrite(tmp_path):
 
 
 def test_failure_mid_write_leaves_nothing(tmp_path, monkeypatch):
-    import compress.export as export_module
+    import compress.export.gguf as export_module
 
     calls = {"n": 0}
     real = export_module.encode_tensor
@@ -274,8 +274,8 @@ def test_recipe_export_section_writes_the_compressed_checkpoint_as_gguf(tmp_path
     checkpoint's weights, so transformers' logits from it match the checkpoint's within f16 rounding."""
     from transformers import AutoModelForCausalLM
 
-    from compress.recipe import parse_recipe
-    from compress.runner import run_recipe
+    from compress.run.recipe import parse_recipe
+    from compress.run.runner import run_recipe
 
     out, gguf_path = tmp_path / "rtn", tmp_path / "rtn-f16.gguf"
     recipe = parse_recipe({
@@ -294,7 +294,7 @@ def test_recipe_export_section_writes_the_compressed_checkpoint_as_gguf(tmp_path
 
 
 def test_recipe_export_section_is_validated():
-    from compress.recipe import parse_recipe
+    from compress.run.recipe import parse_recipe
 
     base = {"model": str(REFERENCE_MODEL), "stages": [{"method": "rtn"}], "output": {"path": "x", "format": "fake"}}
     msg = one_line_error(parse_recipe, {**base, "export": {"path": "x.gguf", "type": "q9_k"}})

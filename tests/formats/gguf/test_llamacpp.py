@@ -13,7 +13,7 @@ import torch
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install -e '.[gguf]'")
 
 from compress.eval.perplexity import evaluate  # noqa: E402
-from compress.export import ExportConfig, export_gguf  # noqa: E402
+from compress.export.gguf import ExportConfig, export_gguf  # noqa: E402
 from compress.formats.gguf.plan import PRESETS, Target  # noqa: E402
 from conftest import CALIB_TEXT, EVAL_TEXT, REFERENCE_MODEL  # noqa: E402
 from gguf_reference import llamacpp_model, llamacpp_perplexity, transformers_model  # noqa: E402
@@ -115,7 +115,7 @@ def test_imatrix_export_lowers_llama_cpps_perplexity(exported, tmp_path_factory,
     below plain rounding's (measured: Q2_K 65.59 -> 65.14, Q3_K 61.87 -> 61.10 on 4096 tokens)."""
     from tokenizers import Tokenizer
 
-    from compress.imatrix import ImatrixConfig, run_imatrix
+    from compress.export.imatrix import ImatrixConfig, run_imatrix
 
     root = tmp_path_factory.getbasetemp() / "imatrix-test"
     imatrix = root / "imatrix.gguf"

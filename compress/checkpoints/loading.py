@@ -1,0 +1,98 @@
+"""Load a checkpoint for inference: its tokenizer, the whole model (dense, fake-quantized or packed, with
+recorded activation quantization installed) on a device, and evaluation text."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+from pathlib import Path
+
+import torch
+
+from compress.errors import CompressError
+from compress.checkpoints.model_io import validate_model_dir
+
+log = logging.getLogger(__name__)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "cuda" and not torch.cuda.is_available():
+        raise CompressError("--device cuda was asked for but no CUDA device is available: use --device cpu")
+    return torch.device(name)
+
+
+def load_tokenizer(path: Path):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError, TypeError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CompressError(f"cannot load a tokenizer from {path} ({first}): copy the tokenizer files into it") from None
+
+
+def load_model(path: Path, device: torch.device, dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
+    """A whole checkpoint for evaluation, in ``dtype`` on ``device``."""
+    from transformers import AutoModelForCausalLM
+
+    validate_model_dir(path)
+    from compress.checkpoints.shards import CheckpointReader
+
+    CheckpointReader(path)  # validates weight files (truncation) with a clear error
+    from compress.checkpoints.packed import detect_format, load_packed_model
+
+    if detect_format(json.loads((path / "config.json").read_text())) is not None:
+        model = load_packed_model(path, device, dtype, trust_remote_code)  # QuantLinear layers, our own loader
+        install_activation_quant(model, getattr(model.config, "compression", None))  # layers left dense
+        return model
+    with _quiet_transformers():
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
+    install_activation_quant(model, getattr(model.config, "compression", None))
+    return model.to(device).eval()
+
+
+def install_activation_quant(model, record: dict | None) -> int:
+    """Quantize the inputs of the layers a W8A8 stage recorded (``activation_layers``) in every forward
+    pass, so perplexity and KLD measure real int8-activation arithmetic. Returns the layers hooked."""
+    from compress.quantizers.activations import ActivationScheme, quantize_activations
+
+    hooked = 0
+    modules = dict(model.named_modules())
+    for stage in (record or {}).get("stages", []):
+        if "activations" not in stage:
+            continue
+        scheme = ActivationScheme.from_record(stage["activations"])
+        for name, scale in stage.get("activation_layers", {}).items():
+            module = modules.get(name)
+            if module is None or getattr(module, "quantizes_input", False):
+                continue  # packed W8A8 layers quantize their own inputs
+            value = None if scale is None else torch.tensor(scale, dtype=torch.float32)
+            module.register_forward_pre_hook(
+                lambda _m, args, scheme=scheme, value=value: (quantize_activations(args[0], scheme, value), *args[1:])
+            )
+            hooked += 1
+    return hooked
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """No transformers progress bar while loading: our callers show their own progress."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def read_eval_text(path: Path) -> str:
+    if not path.is_file():
+        raise CompressError(f"evaluation text {path} does not exist: give a UTF-8 text file")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise CompressError(f"evaluation text {path} is empty: give a text file with at least ctx tokens")
+    return text

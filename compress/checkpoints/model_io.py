@@ -1,0 +1,241 @@
+"""Model structure without the weights: lazy skeletons, decoder blocks, quantizable layers.
+
+A checkpoint is opened as a *skeleton*: the transformers model built from ``config.json`` with every
+parameter on the meta device (buffers such as rotary frequencies stay real), next to a
+`CheckpointReader`. Parts of the model are materialized on the compute device only while they are
+worked on and released afterwards, so a model of any size passes through a few blocks' worth of memory.
+
+Nothing here knows an architecture by name: decoder blocks are found as the model's longest
+homogeneous ``nn.ModuleList`` (its length checked against ``num_hidden_layers``), and quantizable
+layers are the ``nn.Linear`` and GPT-2 ``Conv1D`` modules in them.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from compress.checkpoints.shards import CheckpointReader
+from compress.errors import CompressError
+
+log = logging.getLogger(__name__)
+
+
+def _conv1d_type() -> type | None:
+    try:
+        from transformers.pytorch_utils import Conv1D
+    except ImportError:  # pragma: no cover - very old transformers
+        return None
+    return Conv1D
+
+
+QUANTIZABLE_TYPES: tuple[type, ...] = tuple(t for t in (nn.Linear, _conv1d_type()) if t is not None)
+
+
+def is_conv1d(module: nn.Module) -> bool:
+    """GPT-2's Conv1D stores its weight transposed (``[in, out]``)."""
+    return not isinstance(module, nn.Linear)
+
+
+def get_weight(module: nn.Module) -> torch.Tensor:
+    """The layer's weight as ``[out_features, in_features]`` (a view for Conv1D)."""
+    return module.weight.t() if is_conv1d(module) else module.weight
+
+
+def set_weight(module: nn.Module, weight: torch.Tensor) -> None:
+    """Replace the layer's weight values from an ``[out, in]`` tensor, keeping dtype and device."""
+    target = module.weight
+    new = weight.t() if is_conv1d(module) else weight
+    with torch.no_grad():
+        target.copy_(new.to(target.dtype))
+
+
+def validate_model_dir(path: Path) -> None:
+    if not path.exists():
+        raise CompressError(f"model path {path} does not exist: give a local Hugging Face checkpoint directory")
+    if not path.is_dir():
+        raise CompressError(f"model path {path} is a file: give the checkpoint directory that holds config.json")
+    if not (path / "config.json").is_file():
+        raise CompressError(f"{path} has no config.json: give a Hugging Face checkpoint directory (config.json + weights)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except ValueError as exc:
+        raise CompressError(f"{path / 'config.json'} is not valid JSON ({exc}): fix or re-download it") from None
+    if not isinstance(config, dict) or "model_type" not in config:
+        raise CompressError(f"{path / 'config.json'} has no model_type: it is not a transformers config; re-download it")
+
+
+def load_config(path: Path, trust_remote_code: bool = False):
+    from transformers import AutoConfig
+
+    validate_model_dir(path)
+    try:
+        return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except ValueError as exc:
+        first = str(exc).strip().splitlines()[0]
+        if "trust_remote_code" in str(exc):
+            raise CompressError(f"{path} needs custom code ({first}); pass --trust-remote-code if you trust it") from None
+        raise CompressError(f"cannot read {path / 'config.json'}: {first}") from None
+
+
+@dataclass
+class ModelHandle:
+    """A lazily opened checkpoint: meta-device skeleton, weight reader, located decoder blocks."""
+
+    path: Path
+    config: object
+    model: nn.Module
+    reader: CheckpointReader
+    blocks_name: str
+    blocks: nn.ModuleList
+    _key_of: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def base_model(self) -> nn.Module:
+        return self.model.base_model
+
+    @property
+    def base_prefix(self) -> str:
+        return self.model.base_model_prefix if self.model.base_model is not self.model else ""
+
+    def block_name(self, index: int) -> str:
+        return f"{self.blocks_name}.{index}"
+
+    def checkpoint_key(self, name: str) -> str:
+        """The checkpoint's key for model parameter ``name`` (prefix conventions differ)."""
+        key = self._key_of.get(name)
+        if key is not None:
+            return key
+        prefix = self.model.base_model_prefix + "."
+        candidates = [name, name.removeprefix(prefix), prefix + name]
+        for c in candidates:
+            if c in self.reader:
+                self._key_of[name] = c
+                return c
+        raise CompressError(f"checkpoint {self.path} has no tensor for {name}: it does not match its config.json")
+
+    def materialize(
+        self,
+        module: nn.Module,
+        prefix: str,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        only: set[str] | None = None,
+    ) -> dict[str, torch.dtype]:
+        """Load ``module``'s parameters (named under ``prefix``; ``only`` these if given) onto ``device``.
+
+        Floating-point tensors are cast to ``dtype``. Returns each parameter's dtype as stored.
+        """
+        stored = {}
+        for name, _ in list(module.named_parameters()):
+            if only is not None and name not in only:
+                continue
+            full = f"{prefix}.{name}" if prefix else name
+            tensor = self.reader.get(self.checkpoint_key(full))
+            stored[name] = tensor.dtype
+            if tensor.is_floating_point():
+                tensor = tensor.to(device=device, dtype=dtype)
+            _set_parameter(module, name, tensor)
+        return stored
+
+    @staticmethod
+    def release(module: nn.Module, only: set[str] | None = None) -> None:
+        """Return ``module``'s parameters (``only`` these if given) to the meta device, freeing memory."""
+        for name, p in list(module.named_parameters()):
+            if only is None or name in only:
+                _set_parameter(module, name, torch.empty_like(p, device="meta"))
+
+    def tied_parameter_names(self) -> set[str]:
+        """Parameters that transformers ties to another one at load time (stored once)."""
+        tied = getattr(self.model, "all_tied_weights_keys", None)
+        if tied is None:  # transformers 4.x
+            tied = getattr(self.model, "_tied_weights_keys", None) or []
+            if not getattr(self.config, "tie_word_embeddings", False):
+                tied = []
+        return set(tied)
+
+    def non_block_parameters(self, module: nn.Module) -> list[str]:
+        """Names (relative to ``module``) of parameters outside the decoder blocks."""
+        blocks = {id(p) for p in self.blocks.parameters()}
+        return [n for n, p in module.named_parameters() if id(p) not in blocks]
+
+
+def _set_parameter(module: nn.Module, name: str, tensor: torch.Tensor) -> None:
+    owner_name, _, attr = name.rpartition(".")
+    owner = module.get_submodule(owner_name) if owner_name else module
+    owner._parameters[attr] = nn.Parameter(tensor, requires_grad=False)
+
+
+def find_decoder_blocks(model: nn.Module, expected: int | None) -> tuple[str, nn.ModuleList]:
+    """The model's repeated decoder blocks: the longest ModuleList whose children share one class."""
+    candidates = []
+    for name, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0:
+            if len({type(child) for child in module}) == 1:
+                candidates.append((len(module) == expected, len(module), name, module))
+    if not candidates:
+        raise CompressError(f"found no repeated decoder blocks in {type(model).__name__}: the architecture is not supported")
+    _, _, name, blocks = max(candidates, key=lambda c: (c[0], c[1]))
+    return name, blocks
+
+
+def open_model(path: Path, trust_remote_code: bool = False) -> ModelHandle:
+    """Open a checkpoint lazily: config, meta-device model, weight reader, decoder blocks."""
+    from accelerate import init_empty_weights
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(path, trust_remote_code)
+    reader = CheckpointReader(path)
+    config.use_cache = False
+    with init_empty_weights(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        try:
+            model = AutoModelForCausalLM.from_config(config, trust_remote_code=trust_remote_code)
+        except ValueError as exc:
+            first = str(exc).strip().splitlines()[0]
+            raise CompressError(f"{path} is not a causal language model transformers can build: {first}") from None
+    model.eval()
+    text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    expected = getattr(text_config, "num_hidden_layers", None)
+    blocks_name, blocks = find_decoder_blocks(model, expected)
+    return ModelHandle(path, config, model, reader, blocks_name, blocks)
+
+
+def quantizable_layers(
+    model: nn.Module,
+    block_names: list[str],
+    include: list[str] | None = None,
+    exclude: list[str] | None = None,
+) -> dict[str, nn.Module]:
+    """Linear/Conv1D layers to compress, by full name.
+
+    Default: every such layer inside a decoder block (embeddings and lm_head untouched). ``include``
+    regexes (``re.search`` on the full name) replace that default; ``exclude`` regexes remove layers.
+    """
+    include_re = [re.compile(p) for p in include or []]
+    exclude_re = [re.compile(p) for p in exclude or []]
+    in_blocks = tuple(b + "." for b in block_names)
+    selected = {}
+    for name, module in model.named_modules():
+        if not isinstance(module, QUANTIZABLE_TYPES):
+            continue
+        chosen = any(r.search(name) for r in include_re) if include_re else name.startswith(in_blocks)
+        if chosen and not any(r.search(name) for r in exclude_re):
+            selected[name] = module
+    return selected
+
+
+def parameter_count(model: nn.Module) -> int:
+    seen, total = set(), 0
+    for p in model.parameters():
+        if id(p) not in seen:
+            seen.add(id(p))
+            total += p.numel()
+    return total

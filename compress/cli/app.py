@@ -1,0 +1,65 @@
+"""The `compress` Typer application: the root options and every command group's registration."""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import sys
+
+import typer
+
+from compress import __version__
+from compress.cli.console import stdout
+
+app = typer.Typer(
+    name="compress",
+    help="Offline compression toolkit for large language models.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+    add_completion=False,
+)
+eval_app = typer.Typer(help="Evaluate models.", no_args_is_help=True)
+app.add_typer(eval_app, name="eval")
+
+
+def _fix_mmap_threshold() -> None:
+    """Serve every allocation of 1 MB or more from its own mapping, returned to the OS when freed.
+
+    glibc raises its mmap threshold (up to 32 MB) after large frees; block-sized tensors then come
+    from the heap and fragment it. Measured on the 24-layer bench: RSS grew ~30 MB per block (peak
+    1.42 GiB) with the default, and stayed flat (peak 0.78 GiB) with this. A process-wide setting,
+    so the CLI (the process owner) makes it, not the library.
+    """
+    if sys.platform.startswith("linux"):
+        try:
+            ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (malloc.h)
+        except (OSError, AttributeError):
+            pass  # not glibc
+
+
+@app.callback(invoke_without_command=True)
+def _root(version: bool = typer.Option(False, "--version", help="Show the version and exit.")) -> None:
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    _fix_mmap_threshold()
+    if version:
+        stdout.print(f"llm-compress {__version__}")
+        raise typer.Exit()
+
+
+def _register_commands() -> None:
+    from compress.cli import compressing, distill, evaluate, export, inspect, report
+
+    compressing.register(app)  # quantize, prune, run
+    evaluate.register(app, eval_app)  # eval ppl, reference-model
+    inspect.register(app)  # inspect, methods
+    distill.register(app)
+    export.register(app)  # export, imatrix
+    report.register(app, eval_app)  # report, sweep, eval lm-eval
+
+
+_register_commands()
+
+
+def main() -> None:
+    app()
+

@@ -1,0 +1,174 @@
+"""`compress quantize`, `prune` and `run`: each builds a `Recipe` (from options or a YAML file) and runs it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Optional
+
+import typer
+
+from compress.cli.console import (
+    command_line,
+    console,
+    human_bytes,
+    key_value_table,
+    layer_line,
+    print_json,
+    progress_bars,
+    user_errors,
+)
+from compress.cli.options import (
+    CALIB_OPT,
+    DEVICE_OPT,
+    EVAL_TEXT_OPT,
+    EXCLUDE_OPT,
+    FORMAT_OPT,
+    JSON_OPT,
+    MODEL_ARG,
+    OUTPUT_OPT,
+    OVERWRITE_OPT,
+    SAMPLES_OPT,
+    SEQ_LEN_OPT,
+    TRUST_REMOTE_CODE_OPT,
+)
+
+
+def _run(data: dict[str, Any], source: str, as_json: bool) -> None:
+    from compress.run.recipe import parse_recipe
+
+    _execute(parse_recipe(data, source), as_json)
+
+
+def _execute(recipe, as_json: bool) -> None:
+    from compress.run.runner import run_recipe
+
+    if recipe.distill is not None:  # distillation shows its own progress (loss, tokens/s) and summary
+        from compress.cli.distill import execute_distill
+
+        return execute_distill(recipe, as_json, command_line())
+
+    with progress_bars(not as_json) as progress:
+        on_layer = None if as_json else lambda report: console.print(layer_line(report), highlight=False)
+        result = run_recipe(recipe, progress, command=command_line(), on_layer=on_layer)
+    summary = result.to_dict()
+    if as_json:
+        print_json(summary)
+        return
+    rows = {
+        "output": summary["output"],
+        "layers compressed": len(summary["layers"]),
+        "decoder blocks": summary["blocks"],
+        "time": f"{summary['seconds']:.1f} s",
+        "peak memory (RSS)": human_bytes(summary["peak_rss_bytes"]),
+        "input size": human_bytes(summary["input_bytes"]),
+        "output size": human_bytes(summary["output_bytes"]),
+    }
+    if summary["peak_device_bytes"] is not None:
+        rows["peak device memory"] = human_bytes(summary["peak_device_bytes"])
+    if result.evaluation is not None:
+        ev = result.evaluation
+        rows["perplexity (original)"] = f"{ev.perplexity:.4f} ({ev.ref_perplexity:.4f})"
+        rows["mean KLD vs original"] = f"{ev.kld:.5f}"
+    console.print(key_value_table("summary", rows))
+
+
+def _parse_options(options: list[str]) -> dict[str, Any]:
+    import yaml
+
+    from compress.errors import CompressError
+
+    parsed = {}
+    for item in options:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CompressError(f"option {item!r} is not KEY=VALUE: write e.g. -O act_order=true")
+        parsed[key.strip()] = yaml.safe_load(value)
+    return parsed
+
+
+def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
+    """Build the one-stage recipe of a compressing command from its options, and run it."""
+    data: dict[str, Any] = {
+        "model": args["model"],
+        "stages": [{**stage, "include": args["include"], "exclude": args["exclude"], **_parse_options(args["option"])}],
+        "output": {
+            "path": args["output"],
+            "overwrite": args["overwrite"],
+            **({"format": args["output_format"]} if args.get("output_format") else {}),
+        },
+        "device": args["device"],
+        "trust_remote_code": args["trust_remote_code"],
+    }
+    if args["calib"] is not None:
+        data["calibration"] = {"path": args["calib"], "samples": args["samples"], "seq_len": args["seq_len"]}
+    if args["eval_text"] is not None:
+        data["evaluation"] = {"text": args["eval_text"]}
+    _run(data, "command line", args["as_json"])
+
+
+@user_errors
+def quantize(
+    model: Path = MODEL_ARG,
+    output: Path = OUTPUT_OPT,
+    method: str = typer.Option("rtn", "--method", help="Quantization method: rtn, gptq, awq or smoothquant (see `compress methods`)."),
+    bits: Optional[int] = typer.Option(None, "--bits", help="Weight bit width, 2 to 8 (default 4)."),
+    group_size: Optional[int] = typer.Option(None, "--group-size", help="Columns per scale group; -1 for per channel (default 128)."),
+    symmetric: Optional[bool] = typer.Option(None, "--sym/--asym", help="Symmetric or asymmetric grid (default symmetric)."),
+    output_format: str = FORMAT_OPT,
+    calib: Optional[Path] = CALIB_OPT,
+    samples: int = SAMPLES_OPT,
+    seq_len: int = SEQ_LEN_OPT,
+    include: list[str] = typer.Option([], "--include", help="Regex of layer names to compress (replaces the default: all block linears)."),
+    exclude: list[str] = EXCLUDE_OPT,
+    option: list[str] = typer.Option([], "-O", "--option", help="Method setting KEY=VALUE, e.g. -O act_order=true (see `compress methods`)."),
+    eval_text: Optional[Path] = EVAL_TEXT_OPT,
+    device: str = DEVICE_OPT,
+    overwrite: bool = OVERWRITE_OPT,
+    trust_remote_code: bool = TRUST_REMOTE_CODE_OPT,
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Quantize a model's decoder-block linear layers and write a new checkpoint."""
+    grid = {"bits": bits, "group_size": group_size, "symmetric": symmetric}  # unset: the method's defaults
+    stage = {"method": method, **{key: value for key, value in grid.items() if value is not None}}
+    _run_stage(locals(), stage)
+
+
+@user_errors
+def prune(
+    model: Path = MODEL_ARG,
+    output: Path = OUTPUT_OPT,
+    method: str = typer.Option("sparsegpt", "--method", help="Pruning method: sparsegpt, wanda or magnitude."),
+    sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Unstructured: fraction of weights pruned, e.g. 0.5."),
+    pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M semi-structured: keep N of every M, e.g. 2:4."),
+    output_format: str = FORMAT_OPT,
+    calib: Optional[Path] = CALIB_OPT,
+    samples: int = SAMPLES_OPT,
+    seq_len: int = SEQ_LEN_OPT,
+    include: list[str] = typer.Option([], "--include", help="Regex of layer names to prune (replaces the default: all block linears)."),
+    exclude: list[str] = EXCLUDE_OPT,
+    option: list[str] = typer.Option([], "-O", "--option", help="Method setting KEY=VALUE, e.g. -O bits=4 (see `compress methods`)."),
+    eval_text: Optional[Path] = EVAL_TEXT_OPT,
+    device: str = DEVICE_OPT,
+    overwrite: bool = OVERWRITE_OPT,
+    trust_remote_code: bool = TRUST_REMOTE_CODE_OPT,
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Prune a model's decoder-block linear layers (unstructured or N:M) and write a new checkpoint."""
+    stage: dict[str, Any] = {"method": method}
+    stage.update({k: v for k, v in (("sparsity", sparsity), ("pattern", pattern)) if v is not None})
+    _run_stage(locals(), stage)
+
+
+@user_errors
+def run(recipe: Path = typer.Argument(..., help="YAML recipe."), as_json: bool = JSON_OPT) -> None:
+    """Run the work described in a YAML recipe."""
+    from compress.run.recipe import load_recipe
+
+    _execute(load_recipe(recipe), as_json)
+
+
+def register(app: typer.Typer) -> None:
+    """Add these commands to the CLI."""
+    app.command()(quantize)
+    app.command()(prune)
+    app.command()(run)

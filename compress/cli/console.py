@@ -1,0 +1,100 @@
+"""Terminal output for the CLI (Rich): progress bars, tables, errors. The library never prints."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import shlex
+import sys
+from typing import Any, Callable, Iterator
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from compress.errors import CompressError
+
+console = Console(stderr=True)  # progress and tables; stdout stays clean for --json
+stdout = Console()
+
+
+def command_line() -> str:
+    """The command as the user typed it, for run records and model cards."""
+    return shlex.join(["compress", *sys.argv[1:]])
+
+PHASE_LABELS = {"calibration": "capturing calibration inputs", "blocks": "compressing blocks", "evaluation": "evaluating"}
+
+
+def user_errors(fn: Callable) -> Callable:
+    """Turn a `CompressError` into a one-line message and exit status 2 (no traceback)."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except CompressError as exc:
+            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            raise typer.Exit(2) from None
+        except KeyboardInterrupt:
+            console.print("[bold red]interrupted[/]: nothing was written")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+@contextlib.contextmanager
+def progress_bars(enabled: bool = True) -> Iterator[Callable[[str, int, int], None]]:
+    """A ``(phase, done, total)`` callback that drives one Rich progress bar per phase."""
+    if not enabled:
+        yield lambda phase, done, total: None
+        return
+    progress = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        transient=False,
+    )
+    tasks: dict[str, int] = {}
+
+    def update(phase: str, done: int, total: int) -> None:
+        if phase not in tasks:
+            tasks[phase] = progress.add_task(PHASE_LABELS.get(phase, phase), total=total)
+        progress.update(tasks[phase], completed=done, total=total)
+
+    with progress:
+        yield update
+
+
+def human_bytes(n: float | None) -> str:
+    if n is None:
+        return "-"
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1024 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return str(n)
+
+
+def layer_line(report) -> str:
+    """One finished layer, printed live above the progress bars."""
+    out_features, in_features = report.shape
+    figures = "  ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in report.info.items())
+    return f"  {report.name}  [{out_features}×{in_features}]  {report.seconds:.2f}s  {figures}"
+
+
+def key_value_table(title: str, rows: dict[str, Any]) -> Table:
+    table = Table(title=title, show_header=False, title_justify="left")
+    table.add_column(style="bold")
+    table.add_column()
+    for k, v in rows.items():
+        table.add_row(k, str(v))
+    return table
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")

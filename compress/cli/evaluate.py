@@ -1,0 +1,86 @@
+"""`compress eval ppl` and `compress reference-model`: perplexity and KLD of a checkpoint, and the
+reference model that quality tests measure against."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from compress.cli.console import console, key_value_table, print_json, progress_bars, stdout, user_errors
+from compress.cli.options import DEVICE_OPT, JSON_OPT
+
+
+@user_errors
+def eval_ppl(
+    model: Path = typer.Argument(..., help="Checkpoint directory to evaluate."),
+    text: Path = typer.Option(..., "--text", help="UTF-8 text file."),
+    ctx: int = typer.Option(512, "--ctx", help="Window length in tokens."),
+    stride: Optional[int] = typer.Option(None, "--stride", help="Window stride (default: ctx)."),
+    reference: Optional[Path] = typer.Option(None, "--reference", help="Unquantized model: also report mean KLD from it."),
+    batch_size: int = typer.Option(8, "--batch-size", help="Windows per forward pass."),
+    max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Evaluate only the first N tokens."),
+    device: str = DEVICE_OPT,
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Sliding-window perplexity (and KLD against a reference model)."""
+    from compress.eval.checkpoint import evaluate_checkpoint
+
+    with progress_bars(not as_json) as progress:
+        result = evaluate_checkpoint(
+            model, text, ctx, stride, batch_size, reference, device, max_tokens, lambda d, t: progress("evaluation", d, t)
+        )
+    data = {"model": str(model), "text": str(text), "ctx": ctx, "stride": stride or ctx, **result.to_dict()}
+    if as_json:
+        print_json(data)
+        return
+    rows = {
+        "perplexity": f"{result.perplexity:.4f}",
+        "tokens scored": result.tokens_scored,
+        "tokens/s": f"{result.tokens_per_second:.0f}",
+    }
+    if result.kld is not None:
+        rows["reference perplexity"] = f"{result.ref_perplexity:.4f}"
+        rows["mean KLD vs reference"] = f"{result.kld:.6f}"
+        rows["KLD 99th percentile"] = f"{result.kld_p99:.6f}"
+    stdout.print(key_value_table(f"{model} on {text.name}", rows))
+
+
+@user_errors
+def reference_model(
+    output: Path = typer.Option(..., "-o", "--output", help="Where to write the trained checkpoint."),
+    corpus: Path = typer.Option(Path("../shared/corpus/shakespeare/train.txt"), "--corpus", help="Training text."),
+    steps: int = typer.Option(2000, "--steps", help="Training steps (batch 8 × 512 tokens)."),
+    eval_text: list[Path] = typer.Option([], "--eval-text", help="Texts whose perplexity goes in the model card."),
+    overwrite: bool = typer.Option(False, "--overwrite"),
+) -> None:
+    """Train the small reference Llama (deterministic, CPU) that quality tests measure against."""
+    import torch
+
+    from compress.errors import CompressError
+    from compress.eval.perplexity import evaluate
+    from compress.eval.reference_model import ReferenceModelConfig, train_reference_model, write_model_card
+    from compress.checkpoints.loading import load_model, load_tokenizer, read_eval_text
+    from compress.checkpoints.output import OutputDir
+
+    if not corpus.is_file():
+        raise CompressError(f"training text {corpus} does not exist: pass --corpus PATH (shakespeare/train.txt)")
+    texts = {path: read_eval_text(path) for path in eval_text}
+    with OutputDir(output, overwrite) as tmp, progress_bars() as progress:
+        summary = train_reference_model(corpus, tmp, ReferenceModelConfig(steps=steps), lambda s, _: progress("training", s + 1, steps))
+        model, tokenizer = load_model(tmp, "cpu"), load_tokenizer(tmp)
+        perplexities = {}
+        for path, text in texts.items():
+            ids = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"])
+            perplexities[path.name] = evaluate(model, ids, on_batch=lambda d, t, n=path.name: progress(f"ppl {n}", d, t)).perplexity
+        write_model_card(tmp, summary, perplexities)
+    rows = {"output": output, **{k: v for k, v in summary.items() if k != "config"}}
+    rows.update({f"perplexity {name}": f"{ppl:.3f}" for name, ppl in perplexities.items()})
+    console.print(key_value_table("reference model", rows))
+
+
+def register(app: typer.Typer, eval_app: typer.Typer) -> None:
+    """Add these commands to the CLI."""
+    eval_app.command("ppl")(eval_ppl)
+    app.command("reference-model")(reference_model)

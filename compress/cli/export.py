@@ -1,0 +1,120 @@
+"""`compress export` and `compress imatrix`: GGUF files for llama.cpp (registered by compress.cli)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from compress.cli.options import DEVICE_OPT, JSON_OPT, MODEL_ARG, SAMPLES_OPT, SEQ_LEN_OPT
+from compress.cli.console import console, human_bytes, key_value_table, print_json, progress_bars, user_errors
+
+
+def export_command(
+    model: Path = MODEL_ARG,
+    output: Path = typer.Option(..., "-o", "--output", help="Output file, e.g. model-q4_k_m.gguf (written atomically)."),
+    output_format: str = typer.Option("gguf", "--format", help="Export format: gguf."),
+    gguf_type: str = typer.Option(
+        "q8_0", "--type",
+        help="GGML type for every weight matrix (f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k) "
+        "or a llama.cpp mix (q3_k_m q4_k_s q4_k_m q5_k_s q5_k_m).",
+    ),
+    method: str = typer.Option(
+        "rtn", "--method",
+        help="rtn (ggml's reference rounding), imatrix (importance-weighted, as llama-quantize --imatrix), "
+        "gptq (GPTQ solved in the GGUF blocks, needs --calib), awq (AWQ scales, then ggml's rounding; needs --calib) "
+        "or awq-gptq (AWQ scales, then GPTQ).",
+    ),
+    imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="llama.cpp imatrix GGUF file for --method imatrix."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text for gptq/awq, or for imatrix without --imatrix."),
+    samples: int = SAMPLES_OPT,
+    seq_len: int = SEQ_LEN_OPT,
+    device: str = DEVICE_OPT,
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Export a llama/mistral/qwen2 checkpoint to a single file that llama.cpp runs (GGUF)."""
+    import tempfile
+
+    from compress.errors import CompressError
+    from compress.export.gguf import ExportConfig, GGUFMethod, export_gguf
+    from compress.formats.gguf.plan import Target
+
+    if output_format != "gguf":
+        raise CompressError(f"unknown export format {output_format!r}: use --format gguf")
+    try:
+        target = Target(gguf_type.lower())
+    except ValueError:
+        raise CompressError(f"unknown GGUF type {gguf_type!r}: choose one of {', '.join(t.value for t in Target)}") from None
+    try:
+        kind = GGUFMethod(method.lower())
+    except ValueError:
+        raise CompressError(f"unknown GGUF export method {method!r}: use one of {', '.join(m.value for m in GGUFMethod)}") from None
+    if kind != GGUFMethod.imatrix and imatrix is not None:
+        raise CompressError("--imatrix needs --method imatrix: add it, or drop --imatrix")
+    if kind == GGUFMethod.rtn and calib is not None:
+        raise CompressError("--calib needs --method imatrix, gptq, awq or awq-gptq: add one, or drop --calib for plain rounding")
+    if kind == GGUFMethod.imatrix and (imatrix is None) == (calib is None):
+        raise CompressError("--method imatrix needs exactly one of --imatrix FILE or --calib TEXT")
+    if kind.calibrated and calib is None:
+        raise CompressError(f"--method {kind.value} needs calibration text: add --calib PATH")
+    with progress_bars(not as_json) as progress, tempfile.TemporaryDirectory() as scratch:
+        config = ExportConfig(model, output, target, overwrite)
+        if kind.calibrated:
+            from compress.export.calibrated import export_calibrated
+            from compress.checkpoints.calibration import CalibrationSpec
+
+            result = export_calibrated(config, kind, CalibrationSpec(path=calib, samples=samples, seq_len=seq_len), progress, device=device)
+        else:
+            if calib is not None:
+                from compress.export.imatrix import ImatrixConfig, run_imatrix
+
+                imatrix = Path(scratch) / "imatrix.gguf"
+                run_imatrix(ImatrixConfig(model, calib, imatrix, samples, seq_len), progress)
+            source = f"collected from {calib}" if calib is not None else None
+            result = export_gguf(ExportConfig(model, output, target, overwrite, imatrix, source), progress)
+    if as_json:
+        print_json(result.to_dict())
+        return
+    kinds: dict[str, int] = {}
+    for t in result.tensors:
+        kinds[t.type] = kinds.get(t.type, 0) + 1
+    rows = {
+        "output": str(result.output),
+        "architecture": result.architecture,
+        "type": result.target,
+        "tensors": ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
+        "file size": human_bytes(result.file_bytes),
+        "bits per weight": f"{result.bits_per_weight:.3f}",
+        "time": f"{result.seconds:.1f} s",
+    }
+    for i, note in enumerate(result.notes):
+        rows[f"note {i + 1}"] = note
+    console.print(key_value_table("GGUF export", rows))
+
+
+def imatrix_command(
+    model: Path = MODEL_ARG,
+    calib: Path = typer.Option(..., "--calib", help="Calibration text: file, folder or saved dataset."),
+    output: Path = typer.Option(..., "-o", "--output", help="Output imatrix GGUF file (llama.cpp's format)."),
+    samples: int = SAMPLES_OPT,
+    seq_len: int = SEQ_LEN_OPT,
+    process_output: bool = typer.Option(False, "--process-output", help="Also collect lm_head's inputs (as llama-imatrix --process-output)."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
+    as_json: bool = JSON_OPT,
+) -> None:
+    """Collect an importance matrix (mean squared input of every block linear layer) for llama.cpp."""
+    from compress.export.imatrix import ImatrixConfig, run_imatrix
+
+    with progress_bars(not as_json) as progress:
+        result = run_imatrix(ImatrixConfig(model, calib, output, samples, seq_len, 0, process_output, overwrite), progress)
+    if as_json:
+        print_json(result)
+        return
+    console.print(key_value_table("imatrix", result))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("export")(user_errors(export_command))
+    app.command("imatrix")(user_errors(imatrix_command))

@@ -1,0 +1,335 @@
+"""The layer-by-layer engine every calibration method runs on.
+
+1. Capture the inputs of decoder block 0 for the calibration samples (hidden states and whatever
+   extra arguments the architecture passes: attention mask, position ids/embeddings), by running the
+   model's base with only its non-block weights materialized and stopping at block 0.
+2. For each block: materialize it on the compute device; for each stage, collect the statistics the
+   stage's method needs with hooks on the selected layers, then let the method transform the block;
+   recompute the block's outputs with the transformed weights, which become the next block's inputs;
+   write the block to the output and release it.
+3. Copy (or, for methods needing no statistics, transform) the tensors outside the blocks.
+
+Only one block's weights are in compute memory at a time. The engine never tests a method's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from compress.checkpoints.shards import ShardedWriter
+from compress.errors import CompressError
+from compress.formats.base import PackedLayer, PackFormat, has_trivial_g_idx
+from compress.engine.methods.base import LayerOutcome, LayerReport, Method
+from compress.checkpoints.model_io import ModelHandle, get_weight, is_conv1d
+from compress.engine.statistics import StatsCollector
+
+log = logging.getLogger(__name__)
+
+ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
+LayerFn = Callable[[LayerReport], None]  # called as each layer is finished
+
+
+@dataclass
+class Stage:
+    """One method applied to a selection of layers (full names)."""
+
+    method: Method
+    layers: dict[str, nn.Module]
+
+
+@dataclass
+class EngineResult:
+    layers: list[LayerReport] = field(default_factory=list)
+    blocks: int = 0
+    seconds: float = 0.0
+    peak_rss_bytes: int = 0
+    peak_device_bytes: int | None = None
+    final_hidden: list[torch.Tensor] | None = None  # the last block's outputs, when asked for
+
+
+class _StopForward(Exception):
+    pass
+
+
+class _InputCatcher(nn.Module):
+    """Stands in for block 0: records its call and stops the forward pass."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.inner = inner
+        self.calls: list[tuple[tuple, dict[str, Any]]] = []
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:  # models may read attributes of their layers (e.g. attention type)
+            return getattr(self.inner, name)
+
+    def forward(self, *args, **kwargs):
+        self.calls.append((args, kwargs))
+        raise _StopForward
+
+
+def _split_hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict]:
+    if args:
+        return args[0], args[1:], kwargs
+    kwargs = dict(kwargs)
+    return kwargs.pop("hidden_states"), (), kwargs
+
+
+def _block_output(out) -> torch.Tensor:
+    return out[0] if isinstance(out, (tuple, list)) else out
+
+
+def peak_rss_bytes() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+
+
+class Engine:
+    def __init__(
+        self,
+        handle: ModelHandle,
+        stages: list[Stage],
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        batch_size: int = 8,
+        progress: ProgressFn | None = None,
+        on_layer: LayerFn | None = None,
+        packer: PackFormat | None = None,
+        keep_final_hidden: bool = False,
+    ):
+        """``packer``: the output format that writes each quantized layer's codes (None: dense weights).
+        ``keep_final_hidden``: return the compressed last block's outputs on the calibration data (the
+        output layer's inputs, before the final norm), for a caller calibrating the output layer."""
+        self.handle = handle
+        self.keep_final_hidden = keep_final_hidden
+        self.packer = packer
+        self.packed: dict[str, PackedLayer] = {}  # layers written packed, for the format's config
+        self._outcomes: dict[str, tuple[LayerOutcome, dict | None]] = {}  # last quantizing stage per layer
+        self.stages = stages
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.batch_size = batch_size
+        self.progress = progress or (lambda phase, done, total: None)
+        self.on_layer = on_layer or (lambda report: None)
+        self.needs_data = any(stage.method.needs for stage in stages)
+        self._block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
+        self._in_blocks = tuple(name + "." for name in self._block_names)
+
+    def check(self, calibration: torch.Tensor | None) -> None:
+        """Validate every stage against every selected layer before any work starts."""
+        for stage in self.stages:
+            if not stage.layers:
+                raise CompressError(f"method {stage.method.name} selects no layers: check the include/exclude patterns")
+            stage.method.prepare(self.handle.model)
+            for name, module in stage.layers.items():
+                out_features, in_features = get_weight(module).shape
+                stage.method.check_layer(name, out_features, in_features)
+            if stage.method.needs:
+                outside = [n for n in stage.layers if not n.startswith(self._in_blocks)]
+                if outside:
+                    raise CompressError(
+                        f"method {stage.method.name} needs calibration statistics, collected inside decoder blocks "
+                        f"only; exclude {outside[0]}"
+                    )
+        if self.needs_data and calibration is None:
+            names = ", ".join(s.method.name for s in self.stages if s.method.needs)
+            raise CompressError(f"method {names} needs calibration data: pass --calib PATH")
+
+    # -- 1. inputs of block 0 -------------------------------------------------------------------
+    def capture_inputs(self, calibration: torch.Tensor) -> list[tuple[torch.Tensor, tuple, dict]]:
+        handle, base = self.handle, self.handle.base_model
+        outer = set(handle.non_block_parameters(base))
+        # Materialize the base model's weights outside the blocks (embeddings, positions, norms).
+        handle.materialize(base, handle.base_prefix, self.device, self.dtype, only=outer)
+        catcher = _InputCatcher(handle.blocks[0])
+        handle.blocks[0] = catcher
+        inputs = []
+        batches = calibration.split(self.batch_size)
+        try:
+            with torch.inference_mode():
+                for i, batch in enumerate(batches):
+                    try:
+                        base(input_ids=batch.to(self.device), use_cache=False)
+                    except _StopForward:
+                        pass
+                    args, kwargs = catcher.calls.pop()
+                    inputs.append(_split_hidden(args, kwargs))
+                    self.progress("calibration", i + 1, len(batches))
+        finally:
+            handle.blocks[0] = catcher.inner
+            handle.release(base, only=outer)
+        return inputs
+
+    # -- 2. blocks --------------------------------------------------------------------------------
+    def _run_block(self, block: nn.Module, inputs) -> list[torch.Tensor]:
+        with torch.inference_mode():
+            return [_block_output(block(h, *args, **kwargs)) for h, args, kwargs in inputs]
+
+    def _compress_block(self, index: int, inputs) -> list[LayerReport]:
+        block, block_name = self.handle.blocks[index], self._block_names[index]
+        reports = []
+        for stage in self.stages:
+            layers = {n: m for n, m in stage.layers.items() if n.startswith(block_name + ".")}
+            if not layers:
+                continue
+            sequential = stage.method.sequential and stage.method.needs
+            for group in self._forward_groups(block, layers, inputs[0]) if sequential else [layers]:
+                with StatsCollector(group, stage.method.needs) as collector:
+                    if stage.method.needs:
+                        self._run_block(block, inputs)
+                replay = lambda: self._run_block(block, inputs)  # noqa: E731 - methods that measure outputs
+                for report in stage.method.transform_block(block, group, collector.results(), replay=replay):
+                    self.on_layer(report)
+                    reports.append(report)
+                self._keep_outcomes(stage.method, group)
+        return reports
+
+    def _keep_outcomes(self, method: Method, layers: dict[str, nn.Module]) -> None:
+        """Remember the codes of the layers ``method`` just quantized; a layer changed by a later stage
+        without new codes loses its earlier ones (it is written dense)."""
+        kept = method.take_outcomes()
+        activations = method.record().get("activations") if kept else None
+        for name in layers:
+            if name in kept:
+                outcome, acts = kept[name], activations
+                earlier = self._outcomes.get(name)
+                if acts is None and earlier is not None and earlier[1]:
+                    # Weights re-quantized after an activation-quantizing stage (SmoothQuant, then GPTQ):
+                    # the layer keeps that stage's activation quantization and static input scale.
+                    acts = earlier[1]
+                    if outcome.input_scale is None:
+                        outcome = dataclasses.replace(outcome, input_scale=earlier[0].input_scale)
+                self._outcomes[name] = (outcome, acts)
+            elif self._outcomes.pop(name, None) is not None:
+                log.warning("%s was quantized and then changed by %s: it is written dense", name, method.name)
+
+    def _forward_groups(self, block: nn.Module, layers: dict[str, nn.Module], sample) -> list[dict[str, nn.Module]]:
+        """Split ``layers`` into groups in the order the block calls them; layers called in a row on the
+        very same input tensor (q/k/v, gate/up) form one group. Learned by running one batch."""
+        calls: list[tuple[str, torch.Tensor]] = []  # holding the inputs keeps their identities unique
+        hooks = [
+            module.register_forward_pre_hook(
+                lambda _m, args, kwargs, n=name: calls.append((n, args[0] if args else next(iter(kwargs.values())))),
+                with_kwargs=True,
+            )
+            for name, module in layers.items()
+        ]
+        try:
+            self._run_block(block, [sample])
+        finally:
+            for h in hooks:
+                h.remove()
+        groups: list[dict[str, nn.Module]] = []
+        seen: set[str] = set()
+        last_input = None
+        for name, x in calls:
+            if name in seen:
+                continue
+            if groups and x is last_input:
+                groups[-1][name] = layers[name]
+            else:
+                groups.append({name: layers[name]})
+            seen.add(name)
+            last_input = x
+        uncalled = {n: m for n, m in layers.items() if n not in seen}
+        return groups + ([uncalled] if uncalled else [])
+
+    def run(self, writer: ShardedWriter, calibration: torch.Tensor | None = None) -> EngineResult:
+        self.check(calibration)
+        start = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(self.device)
+        result = EngineResult()
+        inputs = self.capture_inputs(calibration) if self.needs_data else []
+        blocks = self.handle.blocks
+        for i in range(len(blocks)):
+            block, name = blocks[i], self._block_names[i]
+            original = self.handle.materialize(block, name, self.device, self.dtype)
+            result.layers += self._compress_block(i, inputs)
+            if self.needs_data and (i + 1 < len(blocks) or self.keep_final_hidden):
+                outputs = self._run_block(block, inputs)
+                inputs = [(out, args, kwargs) for out, (_, args, kwargs) in zip(outputs, inputs)]
+            self._write_block(writer, name, block, original)
+            self.handle.release(block)
+            self.progress("blocks", i + 1, len(blocks))
+        result.layers += self._write_outer(writer)
+        if self.keep_final_hidden and self.needs_data:
+            result.final_hidden = [h for h, _, _ in inputs]
+        result.blocks = len(blocks)
+        result.seconds = time.perf_counter() - start
+        result.peak_rss_bytes = peak_rss_bytes()
+        if self.device.type == "cuda":
+            result.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
+        return result
+
+    def _write_block(self, writer: ShardedWriter, name: str, block: nn.Module, dtypes: dict[str, torch.dtype]) -> None:
+        packed = {}
+        for layer_name, module in block.named_modules():
+            if layer_name and f"{layer_name}.weight" in dtypes:
+                tensors = self._packed_tensors(f"{name}.{layer_name}", module, dtypes[f"{layer_name}.weight"])
+                if tensors is not None:
+                    packed[f"{layer_name}.weight"] = (layer_name, tensors)
+        for n, p in block.named_parameters():
+            if n in packed:
+                layer_name, tensors = packed[n]
+                for suffix, t in tensors.items():
+                    writer.add(f"{name}.{layer_name}.{suffix}", t)
+            else:
+                writer.add(f"{name}.{n}", p.detach().to(dtypes[n]))
+
+    def _packed_tensors(self, name: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+        """The packed tensors replacing ``name.weight``, or None to write it dense."""
+        entry = self._outcomes.pop(name, None)
+        if entry is None or self.packer is None:
+            return None
+        outcome, activations = entry
+        quant = outcome.quant
+        if quant is None:
+            log.warning("%s has quantized inputs but no weight codes: it is written dense (activation settings in the record)", name)
+            return None
+        if not torch.equal(get_weight(module).detach().float(), quant.weight.to(module.weight.device).float()):
+            log.warning("%s was changed after it was quantized: it is written dense (fake-quantized)", name)
+            return None
+        reason = self.packer.reason_not_packable(quant, is_conv1d(module), activations)
+        if reason is not None:
+            log.warning("%s is written dense: %s", name, reason)
+            return None
+        self.packed[name] = PackedLayer(quant.scheme, activations, quant.g_idx is not None, not has_trivial_g_idx(quant))
+        return self.packer.tensors(quant, dtype, outcome.input_scale, activations)
+
+    # -- 3. everything outside the blocks ---------------------------------------------------------
+    def _write_outer(self, writer: ShardedWriter) -> list[LayerReport]:
+        handle, reports = self.handle, []
+        outer_layers = {
+            f"{name}.weight": (stage.method, name, module)
+            for stage in self.stages
+            for name, module in stage.layers.items()
+            if not name.startswith(self._in_blocks)
+        }
+        tied = handle.tied_parameter_names()
+        for name, _ in handle.model.named_parameters(remove_duplicate=False):
+            if name.startswith(self._in_blocks) or name in tied:
+                continue  # blocks are written as they finish; tied copies are re-tied at load
+            if name in outer_layers:  # only methods without statistics get here (see `check`)
+                method, layer_name, module = outer_layers[name]
+                stored = handle.materialize(module, layer_name, self.device, self.dtype, only={"weight"})
+                for report in method.transform_block(module, {layer_name: module}, {}):
+                    self.on_layer(report)
+                    reports.append(report)
+                self._keep_outcomes(method, {layer_name: module})
+                tensors = self._packed_tensors(layer_name, module, stored["weight"])
+                for suffix, t in (tensors or {"weight": module.weight.detach().to(stored["weight"])}).items():
+                    writer.add(f"{layer_name}.{suffix}", t)
+                handle.release(module, only={"weight"})
+            else:
+                writer.add(name, handle.reader.get(handle.checkpoint_key(name)))
+        return reports

@@ -1,0 +1,153 @@
+"""AWQ as an engine method: scale search per norm/linear group, folding, clipping search, quantization.
+
+Per block: (1) replay the block once, recording each group's sub-block calls (attention, MLP, or the
+layers themselves); (2) in forward order, search each group's scales on those recordings and fold them
+into the producer; (3) replay again to record the (now scaled) inputs of the selected layers and search
+their clipping ranges; (4) quantize. The algorithms are in `compress.quantizers.awq`.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from pydantic import Field
+
+from compress.checkpoints.architecture import block_map, fold_scales, resolve_groups
+from compress.engine.methods.base import LayerOutcome, LayerReport, Method
+from compress.engine.methods.rtn import WeightQuantConfig, check_group_size
+from compress.checkpoints.model_io import get_weight, set_weight
+from compress.quantizers.awq import AWQConfig, search_clip, search_scales
+from compress.quantizers.rtn import rtn
+from compress.engine.registry import register_method
+from compress.engine.statistics import CallRecorder, Stat
+
+
+class AWQMethodConfig(WeightQuantConfig):
+    n_grid: int = Field(20, ge=1, description="α grid points in [0, 1) for the scale search")
+    duo_scaling: bool = Field(False, description="scales s_x^α / s_w^(1-α) (AutoAWQ) instead of the paper's s_x^α")
+    clip: bool = Field(True, description="search each group's clipping range on sample tokens")
+    clip_grid: int = Field(20, ge=1, description="shrink steps of the clipping search")
+    max_shrink: float = Field(0.5, ge=0, lt=1, description="narrowest range tried: 1 - max_shrink of min-max")
+    clip_tokens: int = Field(512, ge=1, description="tokens sampled for the clipping search")
+
+
+def _output_error(calls, run) -> float:
+    """Mean squared difference between recorded outputs and ``run(args, kwargs)`` over all calls."""
+    total, count = 0.0, 0
+    for args, kwargs, reference in calls:
+        out = run(args, kwargs)
+        total += (out.float() - reference.float()).square().sum().item()
+        count += reference.numel()
+    return total / max(count, 1)
+
+
+def _sample_tokens(calls, count: int) -> torch.Tensor:
+    """``count`` evenly strided token vectors from the recorded inputs: ``[n, in]``."""
+    x = torch.cat([args[0].reshape(-1, args[0].shape[-1]) for args, _, _ in calls])
+    return x[:: max(1, x.shape[0] // count)][:count]
+
+
+@register_method("awq")
+class AWQ(Method):
+    """Scale salient input channels up before rounding, folding the inverse into the previous operator."""
+
+    Config = AWQMethodConfig
+
+    @property
+    def needs(self) -> frozenset[Stat]:
+        return frozenset({Stat.INPUT_ABSMEAN})
+
+    def prepare(self, model) -> None:
+        self.model_type = model.config.model_type
+        self.unclipped = set(block_map(self.model_type).unclipped)  # raises for unmapped architectures
+
+    def check_layer(self, name: str, out_features: int, in_features: int) -> None:
+        check_group_size(name, in_features, self.config.group_size)
+
+    def _awq_config(self) -> AWQConfig:
+        cfg = self.config
+        return AWQConfig(cfg.scheme(), cfg.n_grid, cfg.duo_scaling, cfg.clip_grid, cfg.max_shrink)
+
+    def transform_block(self, block, layers, stats, replay=None) -> list[LayerReport]:
+        start = time.perf_counter()
+        config = self._awq_config()
+        relative = {module: name for name, module in block.named_modules()}
+        selected = {relative[m]: full for full, m in layers.items()}  # relative name -> full name
+        groups = [g for g in resolve_groups(block, self.model_type) if any(n in selected for n in g[0].layers)]
+        info: dict[str, dict] = {name: {} for name in selected}
+        with torch.inference_mode():
+            if groups:
+                self._scale_groups(block, groups, stats, selected, replay, config, info)
+            samples = self._clip_samples(block, selected, replay) if self.config.clip else {}
+            reports = []
+            for rel, full in selected.items():
+                module = block.get_submodule(rel)
+                weight = get_weight(module).detach().float()
+                shrink = 1.0
+                if rel in samples:
+                    shrink = search_clip(weight, samples[rel].to(weight.device), config)
+                    info[rel]["mean_clip"] = round(float(torch.as_tensor(shrink).mean()), 4)
+                new_weight, quant = self.finish_layer(full, weight, shrink)
+                set_weight(module, new_weight)
+                if quant is not None:
+                    self.keep_outcome(full, LayerOutcome(new_weight, info[rel], quant=quant))
+                reports.append(LayerReport(full, tuple(weight.shape), 0.0, {**info[rel], **(quant.stats if quant else {})}))
+        for report in reports:  # one search serves the whole block: share its time evenly
+            report.seconds = (time.perf_counter() - start) / len(reports)
+        return reports
+
+    def round_trip(self, name: str):
+        """The quantizer the scale search uses for layer ``name`` (None: the configured integer grid)."""
+        return None
+
+    def finish_layer(self, name: str, weight: torch.Tensor, shrink):
+        """Quantize a scaled (and clipped) layer: its new weight and codes."""
+        result = rtn(weight, self._awq_config().scheme, shrink)
+        return result.weight, result
+
+    def _scale_groups(self, block, groups, stats, selected, replay, config, info) -> None:
+        inspected = {
+            group.label: block.get_submodule(group.inspect) if group.inspect else layers[0]
+            for group, _, layers in groups
+        }
+        with CallRecorder(inspected) as recorder:
+            replay()
+        for group, prev, layers in groups:
+            x_mean = next(stats[selected[n]][Stat.INPUT_ABSMEAN] for n in group.layers if n in selected)
+            calls = recorder.calls.pop(group.label)
+            originals = [get_weight(m).detach().clone() for m in layers]
+            if group.inspect:
+                inspect = inspected[group.label]
+
+                def run(args, kwargs, inspect=inspect):
+                    out = inspect(*args, **kwargs)
+                    return out[0] if isinstance(out, (tuple, list)) else out
+            else:
+                def run(args, kwargs, layers=layers):
+                    return torch.cat([m(*args, **kwargs) for m in layers], dim=-1)
+
+                calls = [(a, k, run(a, k)) for a, k, _ in calls]  # reference: all the group's outputs
+
+            def loss(candidates, layers=layers, calls=calls, run=run):
+                for module, w in zip(layers, candidates):
+                    set_weight(module, w)
+                return _output_error(calls, run)
+
+            quantizers = [self.round_trip(selected[n]) if n in selected else None for n in group.layers]
+            search = search_scales(x_mean.to(originals[0].device), originals, loss, config, quantizers)
+            for module, w in zip(layers, originals):
+                set_weight(module, w)
+            fold_scales(prev, layers, search.scales.to(originals[0].device))
+            gain = search.rtn_loss / search.loss if search.loss > 0 else 1.0
+            for name in group.layers:
+                if name in selected:
+                    info[name].update(alpha=search.alpha, scale_gain=round(gain, 3))
+
+    def _clip_samples(self, block, selected, replay) -> dict[str, torch.Tensor]:
+        modules = {rel: block.get_submodule(rel) for rel in selected if rel not in self.unclipped}
+        if not modules:
+            return {}
+        with CallRecorder(modules) as recorder:
+            replay()
+        return {rel: _sample_tokens(calls, self.config.clip_tokens) for rel, calls in recorder.calls.items()}

@@ -1,0 +1,145 @@
+"""The contract between the layer-by-layer engine and a compression method.
+
+A method says which calibration statistics it needs (`needs`) and transforms one decoder block at a
+time. Most methods work layer by layer and only implement `transform_layer`, a thin adapter around a
+pure algorithm in ``quantizers/`` or ``pruners/``; methods that couple layers (scaling folded between
+them) override `transform_block`. The engine never asks a method's name.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable, ClassVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+from torch import nn
+
+from compress.checkpoints.model_io import get_weight, set_weight
+from compress.quantizers.result import QuantResult
+from compress.engine.statistics import Stat
+
+
+class MethodConfig(BaseModel):
+    """Base for every method's typed configuration: unknown keys are errors."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+
+class SolverConfig(MethodConfig):
+    """Settings shared by the second-order solvers (GPTQ, SparseGPT, GPTQ in GGUF grids)."""
+
+    block_size: int = Field(128, ge=1, description="columns per lazy-batch block")
+    damp: float = Field(0.01, gt=0, description="dampening, as a fraction of the mean Hessian diagonal")
+    true_sequential: bool = Field(True, description="solve q/k/v, o, gate/up, down in turn, each on updated inputs")
+
+
+@dataclass
+class LayerOutcome:
+    weight: torch.Tensor  # new weight [out, in], float32
+    info: dict[str, Any] = field(default_factory=dict)
+    # The integer codes behind ``weight`` (quantizers only): what a packed output format writes.
+    quant: QuantResult | None = None
+    # Static per-tensor activation scale (W8A8), written as ``<layer>.input_scale``.
+    input_scale: torch.Tensor | None = None
+    # The method quantizes this layer's inputs (W8A8): a later stage re-quantizing the weights keeps that.
+    quantizes_input: bool = False
+
+
+@dataclass
+class LayerReport:
+    name: str
+    shape: tuple[int, int]  # (out_features, in_features)
+    seconds: float
+    info: dict[str, Any] = field(default_factory=dict)
+
+
+class Method:
+    name: ClassVar[str] = ""
+    Config: ClassVar[type[MethodConfig]] = MethodConfig
+
+    def __init__(self, config: MethodConfig):
+        self.config = config
+
+    @property
+    def needs(self) -> frozenset[Stat]:
+        """Statistics of each layer's input this method needs (empty: no calibration data)."""
+        return frozenset()
+
+    @property
+    def sequential(self) -> bool:
+        """True: transform a block's layers group by group in forward order, each group's statistics
+        collected after the groups before it were transformed (GPTQ's "true sequential")."""
+        return False
+
+    def prepare(self, model: nn.Module) -> None:
+        """Learn what the method needs of the architecture (``model`` is the weightless skeleton), raising
+        `CompressError` before any work starts if it cannot run on it."""
+
+    def check_layer(self, name: str, out_features: int, in_features: int) -> None:
+        """Raise `CompressError` before any work starts if this layer cannot take the method."""
+
+    def transform_layer(self, name: str, weight: torch.Tensor, stats: dict[Stat, torch.Tensor]) -> LayerOutcome:
+        raise NotImplementedError
+
+    def transform_block(
+        self,
+        block: nn.Module,
+        layers: dict[str, nn.Module],
+        stats: dict[str, dict[Stat, torch.Tensor]],
+        replay: Callable[[], object] | None = None,
+    ) -> list[LayerReport]:
+        """Transform the selected layers of one block in place; the default goes layer by layer.
+
+        ``replay()`` runs the block on the calibration inputs again (None outside blocks), for methods
+        that measure the block's outputs under candidate weights (AWQ's scale search)."""
+        reports = []
+        for name, module in layers.items():
+            start = time.perf_counter()
+            weight = get_weight(module).detach().float()
+            outcome = self.transform_layer(name, weight, stats.get(name, {}))
+            set_weight(module, outcome.weight)
+            self.keep_outcome(name, outcome)
+            reports.append(LayerReport(name, tuple(weight.shape), time.perf_counter() - start, outcome.info))
+        return reports
+
+    def keep_outcome(self, name: str, outcome: LayerOutcome) -> None:
+        """Hand a finished layer's codes (``outcome.quant``/``input_scale``) to the engine, which packs
+        them; methods overriding `transform_block` call it for each layer they quantize."""
+        if outcome.quant is not None or outcome.input_scale is not None or outcome.quantizes_input:
+            self.__dict__.setdefault("_kept", {})[name] = outcome
+
+    def take_outcomes(self) -> dict[str, LayerOutcome]:
+        """The outcomes kept since the last call (the engine collects them after each `transform_block`)."""
+        return self.__dict__.pop("_kept", {})
+
+    def record(self) -> dict[str, Any]:
+        """What is written to the output's config.json about this method."""
+        return {"method": self.name, **self.config.model_dump(mode="json")}
+
+
+class HessianMethod(Method):
+    """Base for second-order solvers (GPTQ, SparseGPT): Hessian statistics, optional true-sequential,
+    and solver failures reported as user errors naming the layer."""
+
+    label: ClassVar[str] = ""
+
+    @property
+    def needs(self) -> frozenset[Stat]:
+        return frozenset({Stat.HESSIAN})
+
+    @property
+    def sequential(self) -> bool:
+        return self.config.true_sequential
+
+    def solve(self, name: str, solver, weight: torch.Tensor, stats: dict[Stat, torch.Tensor], config, keys: tuple[str, ...]):
+        """Run ``solver(weight, H, config)``; returns the layer outcome with the ``keys`` of its stats."""
+        from compress.errors import CompressError
+
+        try:
+            result = solver(weight, stats[Stat.HESSIAN], config)
+        except ValueError as exc:
+            raise CompressError(f"{self.label} failed on {name}: {exc}") from None
+        quant = result if isinstance(result, QuantResult) else getattr(result, "quant", None)  # SparseGPT joint
+        return LayerOutcome(result.weight, {k: result.stats[k] for k in keys if k in result.stats}, quant=quant)

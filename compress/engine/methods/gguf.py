@@ -1,0 +1,95 @@
+"""Engine methods behind the calibrated GGUF export (`compress.export.calibrated`).
+
+They are not in the method registry: a GGUF type plan (which GGML type each layer gets) is their
+configuration, and their product is GGUF bytes or scaled dense weights for the GGUF writer, not a
+checkpoint of their own.
+
+- `GGUFGPTQ`: GPTQ in each layer's GGML block grid (`compress.quantizers.gguf_gptq`); keeps every
+  layer's bytes in ``encoded`` for the writer, and sets the layer to their decode so later layers are
+  calibrated on the quantized model's activations, as GPTQ does.
+- `GGUFAWQ`: AWQ's scale search with the GGML type's own round trip as the quantizer (encode, decode);
+  the scales are folded into the preceding norms and linears and the weights stay dense, for the GGUF
+  writer (or `GGUFGPTQ`) to round. AWQ's clipping search is for min-max integer grids and is off: the
+  k-quant fits search their own ranges.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from compress.formats.gguf.codecs import decode_tensor, encode_tensor
+from compress.formats.gguf.sizes import GGMLType
+from compress.engine.methods.awq import AWQ, AWQMethodConfig
+from compress.engine.methods.base import HessianMethod, LayerOutcome, SolverConfig
+from compress.quantizers.gguf_gptq import GGUFGPTQConfig, gguf_gptq
+
+
+class GGUFGPTQMethodConfig(SolverConfig):  # block_size is rounded up to whole GGML blocks
+    weighted_fit: bool = Field(True, description="fit each block's grid with the Hessian diagonal as importance")
+    output_layer: bool = Field(True, description="also solve the output layer (lm_head) on the quantized model's final hidden states")
+
+
+class GGUFGPTQ(HessianMethod):
+    """GPTQ with each layer's GGML type as the grid; ``types``: layer name -> type."""
+
+    name = "gptq"
+    label = "GPTQ (GGUF)"
+    Config = GGUFGPTQMethodConfig
+
+    def __init__(self, config: GGUFGPTQMethodConfig, types: dict[str, GGMLType]):
+        super().__init__(config)
+        self.types = types
+        self.encoded: dict[str, tuple[GGMLType, np.ndarray]] = {}  # layer name -> (type, [out, row_bytes])
+
+    def transform_layer(self, name, weight, stats) -> LayerOutcome:
+        cfg = self.config
+        config = GGUFGPTQConfig(self.types[name], cfg.block_size, cfg.damp, weighted_fit=cfg.weighted_fit)
+
+        def solver(w, h, c):
+            result = gguf_gptq(w, h, c)
+            self.encoded[name] = (c.kind, result.data)
+            return result
+
+        outcome = self.solve(name, solver, weight, stats, config, ("rel_error", "rtn_rel_error", "damp_retries", "dead_columns"))
+        outcome.info["type"] = config.kind.name
+        return outcome
+
+
+def gguf_round_trip(kind: GGMLType):
+    """``w [out, in] -> decode(encode(w))`` in GGML type ``kind`` (ggml's reference encoder)."""
+
+    def round_trip(w: torch.Tensor) -> torch.Tensor:
+        data = encode_tensor(w.detach().float().cpu().numpy(), kind)
+        return torch.from_numpy(decode_tensor(data, kind, w.shape[1])).to(w.device)
+
+    return round_trip
+
+
+class GGUFAWQMethodConfig(AWQMethodConfig):
+    clip: bool = Field(False, description="AWQ's min-max clipping search (off: GGML's fits pick their own ranges)")
+
+
+class GGUFAWQ(AWQ):
+    """AWQ scales searched against each layer's GGML round trip; weights left dense (scaled)."""
+
+    name = "awq"
+    Config = GGUFAWQMethodConfig
+
+    def __init__(self, config: GGUFAWQMethodConfig, types: dict[str, GGMLType]):
+        super().__init__(config)
+        self.types = types
+
+    def check_layer(self, name: str, out_features: int, in_features: int) -> None:
+        """Any width: the GGML type plan has already chosen a type whose blocks fit (or F16)."""
+
+    def round_trip(self, name: str):
+        kind = self.types.get(name)
+        return gguf_round_trip(kind) if kind is not None else (lambda w: w)  # F16 layers: no rounding to speak of
+
+    def finish_layer(self, name: str, weight: torch.Tensor, shrink) -> tuple[torch.Tensor, None]:
+        return weight, None  # the GGUF writer (or GGUFGPTQ) rounds it
+
+    def record(self) -> dict:
+        return {"method": "awq", "n_grid": self.config.n_grid, "duo_scaling": self.config.duo_scaling}

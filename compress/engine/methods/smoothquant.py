@@ -1,0 +1,105 @@
+"""SmoothQuant W8A8 as an engine method: smoothing folded into the norms, int8 weights, int8 activations.
+
+The weights are quantized here with round-to-nearest (int8, per output channel, symmetric) unless
+``quantize_weights`` is false, in which case a later stage (GPTQ) quantizes the smoothed weights. The
+activation settings and each layer's static scale (per-tensor mode) go into the output's
+``compression`` record, and the evaluator quantizes those layers' inputs in the forward pass.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from typing import Any
+
+from pydantic import Field
+
+from compress.checkpoints.architecture import fold_scales, is_linear, resolve_groups
+from compress.engine.methods.base import LayerOutcome, LayerReport, Method, MethodConfig
+from compress.checkpoints.model_io import get_weight, set_weight
+from compress.quantizers.activations import ActGranularity, ActivationScheme, static_scale
+from compress.quantizers.grid import QuantScheme
+from compress.quantizers.rtn import rtn
+from compress.quantizers.smoothquant import smoothing_scales
+from compress.engine.registry import register_method
+from compress.engine.statistics import Stat
+
+
+class ActivationMode(str, enum.Enum):
+    TOKEN = "token"  # per-token scales computed at run time
+    TENSOR = "tensor"  # one static scale per layer, calibrated here
+
+
+class SmoothQuantConfig(MethodConfig):
+    alpha: float = Field(0.5, ge=0, le=1, description="migration strength: s = max|X|^α / max|W|^(1-α)")
+    smooth: bool = Field(True, description="fold smoothing scales into the norms (false: plain W8A8)")
+    activations: ActivationMode = Field(ActivationMode.TOKEN, description="int8 activation scales: token (dynamic) or tensor (static)")
+    quantize_weights: bool = Field(True, description="round weights to int8 per channel here (false: leave to a later GPTQ stage)")
+
+    def activation_scheme(self) -> ActivationScheme:
+        token = self.activations == ActivationMode.TOKEN
+        return ActivationScheme(8, ActGranularity.TOKEN if token else ActGranularity.TENSOR, dynamic=token)
+
+
+@register_method("smoothquant")
+class SmoothQuant(Method):
+    """Migrate activation outliers into the weights, then quantize weights and activations to int8."""
+
+    Config = SmoothQuantConfig
+
+    def __init__(self, config: SmoothQuantConfig):
+        super().__init__(config)
+        self.input_scales: dict[str, float | None] = {}
+
+    @property
+    def needs(self) -> frozenset[Stat]:
+        return frozenset({Stat.INPUT_ABSMAX})
+
+    def prepare(self, model) -> None:
+        self.model_type = model.config.model_type
+        if self.config.smooth:
+            from compress.checkpoints.architecture import block_map
+
+            block_map(self.model_type)  # an architecture without a mapping fails here, before any work
+
+    def transform_block(self, block, layers, stats, replay=None) -> list[LayerReport]:
+        start = time.perf_counter()
+        relative = {module: name for name, module in block.named_modules()}
+        selected = {relative[m]: full for full, m in layers.items()}
+        absmax = {rel: stats[full][Stat.INPUT_ABSMAX].clone() for rel, full in selected.items()}
+        info: dict[str, dict[str, Any]] = {rel: {} for rel in selected}
+        if self.config.smooth:
+            for group, prev, modules in resolve_groups(block, self.model_type):
+                present = [n for n in group.layers if n in selected]
+                if is_linear(prev) or not present:
+                    continue  # the paper smooths the inputs of the norm-fed layers (QKV, FC1)
+                scales = smoothing_scales(absmax[present[0]], [get_weight(m) for m in modules], self.config.alpha)
+                fold_scales(prev, modules, scales.to(get_weight(modules[0]).device))
+                for name in present:
+                    before = absmax[name].max().item()
+                    absmax[name] = absmax[name] / scales.to(absmax[name].device)
+                    info[name]["act_range_ratio"] = round(before / max(absmax[name].max().item(), 1e-12), 3)
+        scheme = self.config.activation_scheme()
+        reports = []
+        for rel, full in selected.items():
+            module = block.get_submodule(rel)
+            weight = get_weight(module).detach().float()
+            scale = None if scheme.dynamic else static_scale(absmax[rel], scheme)
+            self.input_scales[full] = None if scale is None else scale.item()
+            quant = None
+            if self.config.quantize_weights:
+                quant = rtn(weight, QuantScheme(8, True, -1))
+                set_weight(module, quant.weight)
+                info[rel].update(quant.stats)
+            self.keep_outcome(full, LayerOutcome(get_weight(module).detach().float(), info[rel], quant, scale, quantizes_input=True))
+            reports.append(LayerReport(full, tuple(weight.shape), 0.0, info[rel]))
+        for report in reports:
+            report.seconds = (time.perf_counter() - start) / len(reports)
+        return reports
+
+    def record(self) -> dict[str, Any]:
+        return {
+            **super().record(),
+            "activations": self.config.activation_scheme().to_record(),
+            "activation_layers": dict(self.input_scales),
+        }

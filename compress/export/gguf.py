@@ -1,0 +1,269 @@
+"""Export a llama-family checkpoint to one GGUF file that llama.cpp loads.
+
+What is written (ggml ``docs/gguf.md``; llama.cpp ``conversion/llama.py``, ``conversion/qwen.py``):
+
+- metadata: ``general.architecture`` (``llama`` for llama and mistral, ``qwen2`` for qwen2), context
+  length, widths, head counts, RoPE base and dimension, RMS-norm epsilon, vocab size, file type and
+  ``general.quantization_version = 2``; the tokenizer (`compress.formats.gguf.vocab`);
+- tensors, under GGUF names, one at a time from the checkpoint (`CheckpointReader`): 1-D tensors (norms,
+  biases) as F32, every weight matrix in the type `plan.tensor_type` assigns. For the ``llama`` arch,
+  ``attn_q``/``attn_k`` rows are permuted from HF's rotate-half RoPE layout to GGML's interleaved pairs
+  (``LlamaModel.permute``) before encoding; qwen2 uses NEOX RoPE and needs none. Tied embeddings: no
+  ``output.weight`` is written, which llama.cpp and transformers both read as tied.
+
+With an imatrix file (llama.cpp's format, e.g. from `compress imatrix`), each weight with an entry is
+rounded by ggml's importance-weighted quantizers (``llama-quantize --imatrix``), and the file records
+``quantize.imatrix.*`` as llama-quantize does. ``encoded`` hands in tensors already in their GGUF type
+(GPTQ's result, `compress.export.calibrated`): they are written as they are (Q/K rows permuted).
+
+The file is written under a temporary name next to the output and renamed when complete.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Mapping
+
+import numpy as np
+import torch
+
+from compress.checkpoints.shards import CheckpointReader
+from compress.errors import CompressError
+from compress.formats.gguf import plan
+from compress.formats.gguf.codecs import encode_tensor
+from compress.formats.gguf.imatrix import read_imatrix
+from compress.formats.gguf.plan import Target
+from compress.formats.gguf.sizes import GGMLType, row_bytes
+from compress.formats.gguf.vocab import add_vocab
+from compress.formats.gguf.writer import atomic_gguf_writer
+
+log = logging.getLogger(__name__)
+
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+PERMUTED_ARCHS = {"llama"}  # GGML's llama uses interleaved (NORM) RoPE; qwen2 uses NEOX like HF
+
+
+class GGUFMethod(str, enum.Enum):
+    """How the GGUF weights are rounded."""
+
+    rtn = "rtn"  # ggml's reference rounding (llama-quantize without an imatrix)
+    imatrix = "imatrix"  # ggml's importance-weighted rounding (llama-quantize --imatrix)
+    gptq = "gptq"  # GPTQ in the GGML block grids, calibrated (compress.export.calibrated)
+    awq = "awq"  # AWQ scales searched against the GGML round trip, then ggml's rounding
+    awq_gptq = "awq-gptq"  # AWQ scales, then GPTQ in the GGML grids
+
+    @property
+    def scales(self) -> bool:
+        return self in (GGUFMethod.awq, GGUFMethod.awq_gptq)
+
+    @property
+    def solves(self) -> bool:
+        return self in (GGUFMethod.gptq, GGUFMethod.awq_gptq)
+
+    @property
+    def calibrated(self) -> bool:
+        return self.scales or self.solves
+
+
+@dataclass(frozen=True)
+class ExportConfig:
+    model: Path
+    output: Path
+    target: Target = Target.q8_0
+    overwrite: bool = False
+    imatrix: Path | None = None  # llama.cpp imatrix GGUF: importance-weighted rounding, as llama-quantize --imatrix
+    imatrix_source: str | None = None  # recorded as quantize.imatrix.file instead of the path (a collected, temporary one)
+
+    def __post_init__(self):
+        if not isinstance(self.target, Target):
+            raise CompressError(f"unknown GGUF type {self.target!r}: choose one of {', '.join(t.value for t in Target)}")
+
+
+@dataclass
+class TensorRecord:
+    name: str
+    shape: list[int]
+    type: str
+    bytes: int
+
+
+@dataclass
+class ExportResult:
+    output: Path
+    target: str
+    architecture: str
+    tensors: list[TensorRecord] = field(default_factory=list)
+    file_bytes: int = 0
+    weight_count: int = 0
+    seconds: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def bits_per_weight(self) -> float:
+        return 8.0 * sum(t.bytes for t in self.tensors) / max(self.weight_count, 1)
+
+    def to_dict(self) -> dict:
+        return {
+            "output": str(self.output), "type": self.target, "architecture": self.architecture,
+            "file_bytes": self.file_bytes, "weights": self.weight_count,
+            "bits_per_weight": round(self.bits_per_weight, 4), "seconds": round(self.seconds, 3),
+            "tensors": [t.__dict__ for t in self.tensors], "notes": self.notes,
+        }
+
+
+def permute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """HF rotate-half row order -> GGML interleaved pairs, per head (llama.cpp ``LlamaModel.permute``)."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def _read_config(model: Path) -> dict:
+    path = model / "config.json"
+    if not path.is_file():
+        raise CompressError(f"{model} has no config.json: point at a Hugging Face checkpoint directory")
+    config = json.loads(path.read_text())
+    kind = config.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise CompressError(
+            f"GGUF export supports llama, mistral and qwen2 checkpoints, not {kind!r}: convert other architectures with llama.cpp's convert_hf_to_gguf.py"
+        )
+    if config.get("quantization_config"):
+        raise CompressError(f"{model} is already quantized (quantization_config): export the original checkpoint")
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+        raise CompressError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported by the GGUF export yet: export a model without rope_scaling")
+    return config
+
+
+def _rope_theta(config: dict) -> float:
+    rope = config.get("rope_parameters") or {}
+    return float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
+
+
+def _add_metadata(writer, arch: str, config: dict, target: Target) -> None:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    writer.add_name(config.get("_name_or_path") or "model")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    writer.add_rope_freq_base(_rope_theta(config))
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    writer.add_rope_dimension_count(head_dim)
+    if head_dim != hidden // heads:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(plan.FILE_TYPE[target])
+    writer.add_quantization_version(2)
+
+
+def _shape(reader: CheckpointReader, name: str) -> list[int]:
+    # safetensors headers give shapes without reading data; other formats read the tensor
+    entry = getattr(reader, "_entries", {}).get(name)
+    return list(entry[1]["shape"]) if entry else list(reader.get(name).shape)
+
+
+def _tensor_plan(reader: CheckpointReader, config: dict, target: Target) -> list[tuple[str, str, GGMLType, list[int]]]:
+    """(hf name, gguf name, type, torch shape) for every tensor to write, in llama.cpp's order."""
+    shapes = {}
+    for name in reader.names():
+        gname = plan.gguf_name(name)
+        if gname is None:
+            if not name.endswith("rotary_emb.inv_freq"):
+                log.warning("tensor %s has no GGUF counterpart; skipped", name)
+            continue
+        shapes[name] = (gname, _shape(reader, name))
+    tied = "lm_head.weight" not in shapes or config.get("tie_word_embeddings", False)
+    if tied:
+        shapes.pop("lm_head.weight", None)
+    n_layers = config["num_hidden_layers"]
+    entries = []
+    for name, (gname, shape) in shapes.items():
+        entries.append((name, gname, plan.tensor_type(target, gname, tuple(shape), n_layers, tied), shape))
+
+    def order(entry):
+        g = entry[1]
+        if g.startswith("blk."):
+            return (1, int(g.split(".")[1]), g)
+        return (0 if g.startswith("token_embd") else 2, 0, g)
+
+    return sorted(entries, key=order)
+
+
+def check_output(config: ExportConfig) -> None:
+    if config.output.exists() and not config.overwrite:
+        raise CompressError(f"{config.output} exists: pass --overwrite to replace it, or choose another -o")
+
+
+def export_gguf(
+    config: ExportConfig,
+    progress: Callable[[str, int, int], None] | None = None,
+    encoded: Mapping[str, tuple[GGMLType, np.ndarray]] | None = None,
+) -> ExportResult:
+    """Write ``config.model`` as a GGUF file at ``config.output``; see the module docstring.
+
+    ``encoded``: HF layer name (without ``.weight``) -> (type, ``[out, row_bytes]`` bytes) to write as
+    they are; each must have the type the plan gives that tensor."""
+    import gguf
+
+    start = time.perf_counter()
+    hf = _read_config(config.model)
+    arch = ARCHITECTURES[hf["model_type"]]
+    out = config.output
+    check_output(config)
+    encoded = encoded or {}
+    reader = CheckpointReader(config.model)
+    entries = _tensor_plan(reader, hf, config.target)
+    imatrix = read_imatrix(config.imatrix) if config.imatrix is not None else None
+    heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
+    result = ExportResult(out, config.target.value, arch)
+    with atomic_gguf_writer(out, arch) as writer:
+        _add_metadata(writer, arch, hf, config.target)
+        vocab = add_vocab(writer, config.model, hf["vocab_size"])
+        result.notes.extend(vocab.notes)
+        if imatrix is not None:  # the keys llama-quantize records
+            writer.add_string("quantize.imatrix.file", config.imatrix_source or str(config.imatrix))
+            if imatrix.datasets:
+                writer.add_string("quantize.imatrix.dataset", imatrix.datasets[0])
+            writer.add_int32("quantize.imatrix.entries_count", len(imatrix.entries))
+            writer.add_int32("quantize.imatrix.chunks_count", imatrix.chunk_count)
+        for _, gname, kind, shape in entries:
+            cols = shape[-1]
+            rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
+            nbytes = rows * row_bytes(kind, cols)
+            byte_shape = [*shape[:-1], row_bytes(kind, cols)]
+            writer.add_tensor_info(gname, byte_shape, np.dtype(np.uint8), nbytes, raw_dtype=gguf.GGMLQuantizationType(int(kind)))
+            result.tensors.append(TensorRecord(gname, shape, kind.name, nbytes))
+            if len(shape) > 1:
+                result.weight_count += rows * cols
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_ti_data_to_file()
+        for i, (name, gname, kind, shape) in enumerate(entries):
+            given = encoded.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+            if given is not None:
+                if given[0] != kind or given[1].shape != (shape[0], row_bytes(kind, shape[-1])):
+                    raise CompressError(f"{name}: calibrated as {given[0].name} but the plan gives {kind.name}: rerun the export")
+                rows = torch.from_numpy(given[1])  # rows of bytes permute like rows of weights
+            else:
+                rows = reader.get(name).to(torch.float32)
+            if arch in PERMUTED_ARCHS and gname.startswith("blk.") and gname.split(".")[2] in ("attn_q", "attn_k"):
+                rows = permute_rope(rows, heads if gname.split(".")[2] == "attn_q" else kv_heads)
+            data = rows.numpy()
+            if given is None:
+                entry = imatrix.entries.get(gname) if imatrix is not None and len(shape) > 1 else None
+                data = encode_tensor(data, kind, entry.importance() if entry is not None else None)
+            writer.write_tensor_data(np.ascontiguousarray(data).reshape(-1))
+            if progress:
+                progress("writing tensors", i + 1, len(entries))
+    result.file_bytes = out.stat().st_size
+    result.seconds = time.perf_counter() - start
+    return result

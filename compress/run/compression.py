@@ -1,0 +1,148 @@
+"""A recipe's compression stages on the engine: the output checkpoint, its record, evaluation and export."""
+
+from __future__ import annotations
+
+import datetime as dt
+import json
+import logging
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from compress import __version__
+from compress.checkpoints.calibration import load_calibration
+from compress.checkpoints.shards import ShardedWriter
+from compress.engine.block_engine import Engine, EngineResult, LayerFn, ProgressFn, Stage
+from compress.eval.perplexity import EvalResult
+from compress.errors import CompressError
+from compress.checkpoints.loading import load_tokenizer, resolve_device
+from compress.eval.checkpoint import evaluate_checkpoint
+from compress.formats.packers import make_format
+from compress.checkpoints.model_io import open_model, quantizable_layers
+from compress.checkpoints.output import OutputDir, copy_side_files, dir_size, write_config, write_layer_report, write_model_card
+from compress.run.recipe import Recipe
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RunResult:
+    output: Path
+    engine: EngineResult
+    input_bytes: int
+    output_bytes: int
+    evaluation: EvalResult | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        layers = [asdict(r) for r in self.engine.layers]
+        return {
+            "output": str(self.output),
+            "layers": layers,
+            "blocks": self.engine.blocks,
+            "seconds": round(self.engine.seconds, 3),
+            "peak_rss_bytes": self.engine.peak_rss_bytes,
+            "peak_device_bytes": self.engine.peak_device_bytes,
+            "input_bytes": self.input_bytes,
+            "output_bytes": self.output_bytes,
+            "evaluation": self.evaluation.to_dict() if self.evaluation else None,
+        }
+
+
+def _record(recipe: Recipe, command: str | None, methods: list) -> dict[str, Any]:
+    """``methods``: the instances that ran (their records may hold what they learned, e.g. input scales)."""
+    stages = []
+    for spec, method in zip(recipe.stages, methods):
+        entry = method.record()
+        if spec.include:
+            entry["include"] = spec.include
+        if spec.exclude:
+            entry["exclude"] = spec.exclude
+        stages.append(entry)
+    cal = recipe.calibration
+    return {
+        "tool": "llm-compress",
+        "tool_version": __version__,
+        "source_model": str(recipe.model),
+        "format": "dense",  # replaced by the packed format's name when any layer is stored packed
+        "stages": stages,
+        "calibration": cal.model_dump(mode="json") if cal else None,
+        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        **({"command": command} if command else {}),
+    }
+
+
+def _dense_linears(handle, packed) -> list[str]:
+    """Every Linear layer of the model not stored packed (loaders must leave them dense)."""
+    from torch import nn
+
+    return [n for n, m in handle.model.named_modules() if isinstance(m, nn.Linear) and n not in packed]
+
+
+def _write_quantization_config(directory: Path, quantization_config: dict[str, Any]) -> None:
+    path = directory / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"] = quantization_config
+    path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def run_stages(
+    recipe: Recipe, progress: ProgressFn | None = None, command: str | None = None, on_layer: LayerFn | None = None
+) -> RunResult:
+    """Compress ``recipe.model`` by its stages and write ``recipe.output.path`` atomically (then evaluate
+    and export it, as the recipe says)."""
+    device = resolve_device(recipe.device.value)
+    handle = open_model(recipe.model, recipe.trust_remote_code)
+    if getattr(handle.config, "quantization_config", None):
+        raise CompressError(f"{recipe.model} is already quantized (quantization_config in config.json): compress the original checkpoint")
+    packer = make_format(recipe.output.format)
+    if packer is not None:
+        for method in recipe.methods():
+            packer.check_stage(method.record())
+    output = OutputDir(recipe.output.path, recipe.output.overwrite, protect=recipe.model)
+    block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
+    stages = [
+        Stage(method, quantizable_layers(handle.model, block_names, spec.include, spec.exclude))
+        for spec, method in zip(recipe.stages, recipe.methods())
+    ]
+    cal = recipe.calibration
+    engine = Engine(
+        handle, stages, device, batch_size=cal.batch_size if cal else 8, progress=progress, on_layer=on_layer, packer=packer
+    )
+    calibration = None
+    if cal is not None:  # loaded even when unused, so a bad calibration set fails early and clearly
+        calibration = load_calibration(cal.path, load_tokenizer(recipe.model), cal.samples, cal.seq_len, cal.seed)
+        if not engine.needs_data:
+            log.warning("no method in this recipe uses calibration data; it was checked but is unused")
+    engine.check(calibration)
+
+    with output as tmp:
+        writer = ShardedWriter(tmp, recipe.output.shard_size_mb << 20)
+        result = engine.run(writer, calibration)
+        writer.close()
+        copy_side_files(recipe.model, tmp)
+        write_layer_report(tmp, result.layers)
+        record = _record(recipe, command, [stage.method for stage in stages])
+        if engine.packed:
+            record["format"] = packer.name
+        write_config(recipe.model, tmp, record)
+        if engine.packed:
+            _write_quantization_config(tmp, packer.config(engine.packed, _dense_linears(handle, engine.packed)))
+        evaluation = None
+        figures: dict[str, Any] = {}
+        if recipe.evaluation is not None:
+            ev = recipe.evaluation
+            on_batch = (lambda d, t: progress("evaluation", d, t)) if progress else None
+            evaluation = evaluate_checkpoint(
+                tmp, ev.text, ev.ctx, ev.stride, ev.batch_size, recipe.model, recipe.device.value, ev.max_tokens, on_batch
+            )
+            figures = {
+                f"perplexity on `{ev.text.name}` (ctx {ev.ctx})": f"{evaluation.perplexity:.4f}",
+                "original model's perplexity": f"{evaluation.ref_perplexity:.4f}",
+                "mean KLD vs original": f"{evaluation.kld:.5f}",
+            }
+        write_model_card(tmp, recipe.output.path.name, record, figures)
+    if recipe.export is not None:  # the finished checkpoint, also as one GGUF file
+        from compress.export.spec import export_from_spec
+
+        export_from_spec(recipe.output.path, recipe.export, progress, recipe.calibration, recipe.device.value)
+    return RunResult(recipe.output.path, result, handle.reader.total_bytes(), dir_size(recipe.output.path), evaluation)

@@ -1,0 +1,196 @@
+"""The recipe: one typed description of a compression run, from YAML or built by a CLI command.
+
+```yaml
+model: path/to/checkpoint
+calibration: {path: calib.txt, samples: 128, seq_len: 512, seed: 0}   # only methods with statistics need it
+stages:
+  - method: rtn                    # a registered method; its config keys sit beside it
+    bits: 4
+    group_size: 128
+    exclude: ["mlp\\.down_proj"]   # optional include/exclude regexes on layer names
+output: {path: out/model-rtn-w4g128, overwrite: false, format: compressed-tensors}  # or gptq, fake
+evaluation: {text: eval.txt, ctx: 512}                                 # optional: ppl and KLD after the run
+```
+
+Unknown keys and bad values are errors naming the YAML line and the valid keys.
+"""
+
+from __future__ import annotations
+
+import enum
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from compress.distill.config import DistillSpec
+from compress.errors import CompressError
+from compress.export.spec import ExportSpec
+from compress.checkpoints.calibration import CalibrationSpec
+from compress.formats.base import OutputFormat
+from compress.engine.methods.base import Method
+from compress.engine.registry import method_class
+
+
+class Device(str, enum.Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StageSpec(BaseModel):
+    """A method name, its typed config (validated against the method's own schema), layer selection."""
+
+    model_config = ConfigDict(extra="allow")
+    method: str
+    include: list[str] = Field(default_factory=list)
+    exclude: list[str] = Field(default_factory=list)
+
+    def method_config(self) -> dict[str, Any]:
+        return dict(self.model_extra or {})
+
+    def build(self) -> Method:
+        cls = method_class(self.method)
+        return cls(cls.Config(**self.method_config()))
+
+
+class OutputSpec(_Strict):
+    path: Path
+    overwrite: bool = False
+    shard_size_mb: int = Field(256, ge=1)
+    format: OutputFormat = Field(
+        OutputFormat.compressed_tensors,
+        description="how quantized layers are stored: packed (compressed-tensors, gptq) or fake (dense, dequantized)",
+    )
+
+
+class EvaluationSpec(_Strict):
+    text: Path
+    ctx: int = Field(512, ge=2)
+    stride: int | None = Field(None, ge=1)
+    batch_size: int = Field(8, ge=1)
+    max_tokens: int | None = Field(None, ge=2, description="evaluate only the first N tokens of the text")
+
+
+class Recipe(_Strict):
+    model: Path
+    stages: list[StageSpec] = Field(default_factory=list)
+    output: OutputSpec
+    calibration: CalibrationSpec | None = None
+    evaluation: EvaluationSpec | None = None
+    device: Device = Device.cpu
+    trust_remote_code: bool = False
+    distill: DistillSpec | None = None  # after the stages (if any): distil into the compressed model
+    export: ExportSpec | None = None  # after the run: also write the output checkpoint as one GGUF file
+
+    def methods(self) -> list[Method]:
+        return [stage.build() for stage in self.stages]
+
+
+def _line_index(node: yaml.Node, path: tuple = ()) -> dict[tuple, int]:
+    """Map each key path in a YAML document to its 1-based line."""
+    lines = {path: node.start_mark.line + 1}
+    if isinstance(node, yaml.MappingNode):
+        for key, value in node.value:
+            if path + (key.value,) in lines:
+                where = ".".join(str(p) for p in path + (key.value,))
+                raise CompressError(f"line {key.start_mark.line + 1}: key {where!r} is given twice: keep one")
+            lines[path + (key.value,)] = key.start_mark.line + 1
+            lines.update({k: v for k, v in _line_index(value, path + (key.value,)).items() if k != path + (key.value,)})
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines.update(_line_index(item, path + (i,)))
+    return lines
+
+
+def _describe(exc: ValidationError | CompressError, loc: tuple) -> str:
+    if isinstance(exc, CompressError):
+        return str(exc)
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in loc + tuple(err["loc"]))
+    if err["type"] == "extra_forbidden":
+        return f"unknown key {where!r}"
+    return f"{where}: {err['msg']}" if where else err["msg"]
+
+
+def _valid_keys(model: type[BaseModel]) -> str:
+    return ", ".join(model.model_fields)
+
+
+def parse_recipe(data: Any, source: str = "recipe", lines: dict[tuple, int] | None = None) -> Recipe:
+    """Validate recipe data; errors name the key, the line (from YAML) and what is allowed."""
+    lines = lines or {}
+    if not isinstance(data, dict):
+        raise CompressError(f"{source}: a recipe is a mapping with keys {_valid_keys(Recipe)}")
+    try:
+        recipe = Recipe.model_validate(data)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        loc = tuple(err["loc"])
+        message = _describe(exc, ())
+        if err["type"] == "extra_forbidden":
+            owner = {(): Recipe, ("calibration",): CalibrationSpec, ("output",): OutputSpec, ("evaluation",): EvaluationSpec,
+                     ("distill",): DistillSpec, ("export",): ExportSpec}
+            model = owner.get(loc[:-1])
+            if model is not None:
+                message += f": valid keys are {_valid_keys(model)}"
+        raise CompressError(f"{source}{_at_line(lines, loc)}: {message}") from None
+    if not recipe.stages and recipe.distill is None:
+        raise CompressError(f"{source}{_at_line(lines, ('stages',))}: stages: give at least one stage (or a distill section)")
+    for index, stage in enumerate(recipe.stages):
+        _check_stage(stage, index, source, lines)
+    if recipe.export is not None and recipe.export.method.calibrated and recipe.calibration is None:
+        where = _at_line(lines, ("export", "method"))
+        raise CompressError(f"{source}{where}: export.method {recipe.export.method.value} needs calibration data: add a calibration section")
+    return recipe
+
+
+def _check_stage(stage: StageSpec, index: int, source: str, lines: dict[tuple, int]) -> None:
+    """Validate one stage's method and config; errors name the exact key and its line."""
+    try:
+        cls = method_class(stage.method)
+    except CompressError as exc:
+        raise CompressError(f"{source}{_at_line(lines, ('stages', index, 'method'))}: stage {index + 1}: {exc}") from None
+    try:
+        cls.Config(**stage.method_config())
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = err["loc"][0] if err["loc"] else "method"
+        message = _describe(exc, ())
+        if err["type"] == "extra_forbidden":
+            message += f": {stage.method} takes {', '.join(['include', 'exclude', *cls.Config.model_fields])}"
+        where = _at_line(lines, ("stages", index, key))
+        raise CompressError(f"{source}{where}: stage {index + 1} ({stage.method}): {message}") from None
+
+
+def _at_line(lines: dict[tuple, int], loc: tuple) -> str:
+    for end in range(len(loc), -1, -1):
+        if loc[:end] in lines:
+            return f":{lines[loc[:end]]}"
+    return ""
+
+
+def load_recipe(path: Path) -> Recipe:
+    """Read and validate a YAML recipe; relative paths in it are taken from the working directory."""
+    if not path.is_file():
+        problem = "is a directory" if path.is_dir() else "does not exist"
+        raise CompressError(f"recipe {path} {problem}: give the path of a YAML recipe file")
+    text = path.read_text(encoding="utf-8")
+    try:
+        node = yaml.compose(text)
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}" if mark else ""
+        raise CompressError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    if node is None:
+        raise CompressError(f"{path} is empty: a recipe needs model, stages and output")
+    try:
+        lines = _line_index(node)
+    except CompressError as exc:
+        raise CompressError(f"{path}: {exc}") from None
+    return parse_recipe(data, str(path), lines)

@@ -1,0 +1,17 @@
+"""Run a `Recipe`: the one entry point behind `compress run` and every compressing CLI command."""
+
+from __future__ import annotations
+
+from compress.engine.block_engine import LayerFn, ProgressFn
+from compress.run.compression import RunResult, run_stages
+from compress.run.distill import DistillResult, run_distill_recipe
+from compress.run.recipe import Recipe
+
+
+def run_recipe(
+    recipe: Recipe, progress: ProgressFn | None = None, command: str | None = None, on_layer: LayerFn | None = None
+) -> RunResult | DistillResult:
+    """Compress ``recipe.model`` as described and write ``recipe.output.path`` atomically."""
+    if recipe.distill is not None:  # the stages (if any), then distillation into their result
+        return run_distill_recipe(recipe, progress, command, on_layer)
+    return run_stages(recipe, progress, command, on_layer)

@@ -1,0 +1,243 @@
+"""Tests for compress.engine.statistics: input statistics checked against direct float64 computations."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+from compress.engine.statistics import InputStatistics, Stat, StatsCollector, layer_in_features
+
+ALL = frozenset(Stat)
+
+
+def _data(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g, dtype=torch.float32)
+    # uneven channel scales, a few outliers and negative offsets: per-channel stats must differ
+    x = x * torch.linspace(0.1, 3.0, shape[-1]) - 0.3
+    return x.to(dtype)
+
+
+def reference_stats(xs: list[torch.Tensor], in_features: int) -> dict[Stat, np.ndarray]:
+    """Direct float64 statistics over all token vectors of all batches."""
+    X = np.concatenate([x.detach().double().numpy().reshape(-1, in_features) for x in xs], axis=0)
+    n = X.shape[0]
+    return {
+        Stat.HESSIAN: 2.0 / n * (X.T @ X),
+        Stat.INPUT_L2: np.sqrt((X**2).sum(axis=0)),
+        Stat.INPUT_ABSMAX: np.abs(X).max(axis=0),
+        Stat.INPUT_ABSMEAN: np.abs(X).mean(axis=0),
+    }
+
+
+def assert_matches(got: dict[Stat, torch.Tensor], ref: dict[Stat, np.ndarray], needs, rtol=1e-5):
+    assert set(got) == set(needs)
+    for k in needs:
+        g = got[k]
+        assert g.dtype == torch.float32
+        assert g.shape == ref[k].shape, (k, g.shape, ref[k].shape)
+        scale = np.abs(ref[k]).max()
+        np.testing.assert_allclose(g.numpy(), ref[k], rtol=rtol, atol=rtol * scale, err_msg=str(k))
+
+
+@pytest.mark.parametrize(
+    "shapes",
+    [
+        [(40, 16)],  # one 2-D batch
+        [(2, 9, 16)],  # one 3-D batch
+        [(3, 16), (17, 16), (1, 16)],  # several 2-D batches
+        [(2, 5, 16), (1, 7, 16), (4, 3, 16)],  # several 3-D batches of different lengths
+        [(2, 5, 16), (11, 16)],  # mixed
+    ],
+    ids=["2d", "3d", "2d-multi", "3d-multi", "mixed"],
+)
+def test_all_stats_match_direct_computation(shapes):
+    xs = [_data(s, seed=i) for i, s in enumerate(shapes)]
+    st = InputStatistics(16, ALL)
+    for x in xs:
+        st.update(x)
+    assert st.count == sum(int(np.prod(s[:-1])) for s in shapes)
+    ref = reference_stats(xs, 16)
+    assert_matches(st.result(), ref, ALL)
+
+
+def test_hessian_is_symmetric_psd():
+    x = _data((64, 12), seed=3)
+    st = InputStatistics(12, frozenset({Stat.HESSIAN}))
+    st.update(x[:10])
+    st.update(x[10:])
+    h = st.result()[Stat.HESSIAN].double()
+    torch.testing.assert_close(h, h.T, rtol=1e-6, atol=1e-6)
+    assert torch.linalg.eigvalsh(h).min() > -1e-4
+
+
+def test_batching_invariance():
+    x = _data((4, 30, 24), seed=7)
+    flat = x.reshape(-1, 24)
+    splittings = {
+        "whole": [x],
+        "per-sample": list(x.unbind(0)),
+        "uneven-rows": [flat[:1], flat[1:50], flat[50:51], flat[51:]],
+        "one-token-at-a-time": [flat[i : i + 1] for i in range(flat.shape[0])],
+    }
+    results = {}
+    for name, parts in splittings.items():
+        st = InputStatistics(24, ALL)
+        for p in parts:
+            st.update(p)
+        assert st.count == 120
+        results[name] = st.result()
+    base = results.pop("whole")
+    for name, res in results.items():
+        for k in ALL:
+            torch.testing.assert_close(res[k], base[k], rtol=1e-5, atol=1e-5 * float(base[k].abs().max()), msg=f"{name} {k}")
+    assert_matches(base, reference_stats([x], 24), ALL)
+
+
+@pytest.mark.parametrize(
+    "needs",
+    [frozenset(c) for r in range(0, len(Stat) + 1) for c in itertools.combinations(list(Stat), r)],
+    ids=lambda n: "+".join(sorted(s.value for s in n)) or "none",
+)
+def test_only_requested_stats(needs):
+    st = InputStatistics(8, needs)
+    assert (st.hessian is not None) == (Stat.HESSIAN in needs)
+    assert (st.sq_sum is not None) == (Stat.INPUT_L2 in needs)
+    assert (st.absmax is not None) == (Stat.INPUT_ABSMAX in needs)
+    assert (st.absmean is not None) == (Stat.INPUT_ABSMEAN in needs)
+    x = _data((3, 4, 8), seed=1)
+    st.update(x)
+    res = st.result()
+    assert set(res) == set(needs)
+    assert_matches(res, reference_stats([x], 8), needs)
+
+
+def test_input_l2_absmax_absmean_by_hand():
+    x = torch.tensor([[3.0, -1.0, 0.0], [-4.0, 2.0, 0.0]])
+    st = InputStatistics(3, ALL)
+    st.update(x)
+    r = st.result()
+    torch.testing.assert_close(r[Stat.INPUT_L2], torch.tensor([5.0, 5.0**0.5, 0.0]))
+    torch.testing.assert_close(r[Stat.INPUT_ABSMAX], torch.tensor([4.0, 2.0, 0.0]))
+    torch.testing.assert_close(r[Stat.INPUT_ABSMEAN], torch.tensor([3.5, 1.5, 0.0]))
+    # H = 2/n X^T X with n = 2
+    torch.testing.assert_close(r[Stat.HESSIAN], (x.T @ x) * (2.0 / 2))
+
+
+def test_absmax_of_all_negative_inputs():
+    x = -(_data((10, 6), seed=2).abs() + 0.5)
+    st = InputStatistics(6, frozenset({Stat.INPUT_ABSMAX}))
+    st.update(x)
+    np.testing.assert_allclose(st.result()[Stat.INPUT_ABSMAX].numpy(), np.abs(x.double().numpy()).max(0), rtol=0)
+
+
+def test_empty_batch_is_ignored():
+    x = _data((6, 8), seed=4)
+    st = InputStatistics(8, ALL)
+    st.update(torch.empty(0, 8))
+    st.update(x)
+    st.update(torch.empty(2, 0, 8))
+    assert st.count == 6
+    assert_matches(st.result(), reference_stats([x], 8), ALL)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_precision_inputs_accumulate_in_float32(dtype):
+    x = _data((2, 10, 8), seed=5, dtype=dtype)
+    st = InputStatistics(8, ALL)
+    st.update(x)
+    assert_matches(st.result(), reference_stats([x.float()], 8), ALL)
+
+
+def test_no_data_gives_zeros():
+    st = InputStatistics(4, ALL)
+    res = st.result()
+    assert st.count == 0
+    for k in ALL:
+        assert torch.count_nonzero(res[k]) == 0
+
+
+def test_layer_in_features():
+    assert layer_in_features(nn.Linear(12, 5)) == 12
+    assert layer_in_features(Conv1D(5, 12)) == 12  # Conv1D(nf=out, nx=in), weight [in, out]
+    assert layer_in_features(Conv1D(12, 5)) == 5
+
+
+def _make_layer(kind: str, in_f: int, out_f: int) -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Linear(in_f, out_f) if kind == "linear" else Conv1D(out_f, in_f)
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_collector_collects_inside_with_only(kind):
+    layer = _make_layer(kind, 16, 6)
+    other = nn.Linear(6, 3)
+    before = _data((2, 4, 16), seed=10)
+    inside = [_data((2, 4, 16), seed=11), _data((5, 16), seed=12)]
+    after = _data((3, 16), seed=13)
+
+    collector = StatsCollector({"layer": layer, "other": other}, ALL)
+    assert collector.stats["layer"].in_features == 16
+    assert collector.stats["other"].in_features == 6
+    layer(before)  # not collected: not yet entered
+    with torch.no_grad():
+        expected_out = [layer(x) for x in inside]
+    with collector as c:
+        assert c is collector
+        assert len(layer._forward_pre_hooks) == 1 and len(other._forward_pre_hooks) == 1
+        with torch.no_grad():
+            outs = [layer(x) for x in inside]
+            mid = [other(o) for o in outs]
+    for o, e in zip(outs, expected_out):
+        torch.testing.assert_close(o, e, rtol=0, atol=0)  # the hook does not change outputs
+    # hooks are removed on exit and nothing more is collected
+    assert len(layer._forward_pre_hooks) == 0 and len(other._forward_pre_hooks) == 0
+    layer(after)
+    other(layer(after))
+
+    res = collector.results()
+    assert set(res) == {"layer", "other"}
+    assert collector.stats["layer"].count == 8 + 5
+    assert_matches(res["layer"], reference_stats(inside, 16), ALL)
+    assert_matches(res["other"], reference_stats(outs, 6), ALL)
+    del mid
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_collector_removes_hooks_on_exception(kind):
+    layer = _make_layer(kind, 8, 4)
+    collector = StatsCollector({"l": layer}, frozenset({Stat.HESSIAN}))
+    with pytest.raises(RuntimeError, match="boom"):
+        with collector:
+            layer(_data((3, 8), seed=0))
+            raise RuntimeError("boom")
+    assert len(layer._forward_pre_hooks) == 0
+    assert collector.stats["l"].count == 3
+
+
+@pytest.mark.parametrize("kind", ["linear", "conv1d"])
+def test_collector_with_empty_needs_attaches_nothing(kind):
+    layer = _make_layer(kind, 8, 4)
+    collector = StatsCollector({"l": layer}, frozenset())
+    with collector:
+        assert len(layer._forward_pre_hooks) == 0
+        layer(_data((3, 8), seed=0))
+    assert collector.stats["l"].count == 0
+    assert collector.results() == {"l": {}}
+
+
+def test_collector_subset_of_needs():
+    layer = nn.Linear(8, 4)
+    needs = frozenset({Stat.INPUT_ABSMEAN, Stat.INPUT_L2})
+    xs = [_data((2, 3, 8), seed=s) for s in range(3)]
+    with StatsCollector({"l": layer}, needs) as c:
+        for x in xs:
+            layer(x)
+    st = c.stats["l"]
+    assert st.hessian is None and st.absmax is None
+    assert_matches(c.results()["l"], reference_stats(xs, 8), needs)

@@ -1,0 +1,125 @@
+"""Calibrated GGUF export (`compress.export.calibrated`): GPTQ in the GGML grids and AWQ scales, judged
+by the consumers' view of the written files (transformers' GGUF loader, llama.cpp)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from compress.eval.perplexity import evaluate  # noqa: E402
+from compress.export.gguf import ExportConfig, GGUFMethod, export_gguf  # noqa: E402
+from compress.export.calibrated import export_calibrated  # noqa: E402
+from compress.formats.gguf.plan import Target  # noqa: E402
+from compress.engine.methods.gguf import GGUFAWQMethodConfig  # noqa: E402
+from compress.checkpoints.calibration import CalibrationSpec  # noqa: E402
+from conftest import CALIB_TEXT, EVAL_TEXT, REFERENCE_MODEL  # noqa: E402
+from gguf_reference import transformers_model  # noqa: E402
+
+CALIBRATION = CalibrationSpec(path=CALIB_TEXT, samples=16, seq_len=256)
+
+
+@pytest.fixture(scope="module")
+def q3k_files(tmp_path_factory):
+    """The reference model at Q3_K: ggml's rounding and GPTQ-in-GGUF."""
+    root = tmp_path_factory.mktemp("calibrated")
+    rtn, gptq = root / "rtn.gguf", root / "gptq.gguf"
+    export_gguf(ExportConfig(REFERENCE_MODEL, rtn, Target.q3_k))
+    result = export_calibrated(ExportConfig(REFERENCE_MODEL, gptq, Target.q3_k), GGUFMethod.gptq, CALIBRATION)
+    return rtn, gptq, result
+
+
+@pytest.fixture(scope="module")
+def scorer():
+    """KLD / perplexity of a GGUF file, loaded by transformers, against the reference model."""
+    from transformers import AutoModelForCausalLM
+    from tokenizers import Tokenizer
+
+    ids = Tokenizer.from_file(str(REFERENCE_MODEL / "tokenizer.json")).encode(EVAL_TEXT.read_text(encoding="utf-8")).ids[:4096]
+    reference = AutoModelForCausalLM.from_pretrained(REFERENCE_MODEL, dtype=torch.float32).eval()
+    return lambda path: evaluate(transformers_model(path), torch.tensor(ids), reference=reference, ctx=512)
+
+
+def tensors(path) -> dict[str, np.ndarray]:
+    from gguf import GGUFReader
+
+    return {t.name: np.array(t.data) for t in GGUFReader(str(path)).tensors}
+
+
+def test_gptq_file_has_the_plan_and_solves_every_linear_layer(q3k_files):
+    rtn, gptq, result = q3k_files
+    a, b = tensors(rtn), tensors(gptq)
+    assert a.keys() == b.keys() and rtn.stat().st_size == gptq.stat().st_size
+    changed = {n for n in a if not np.array_equal(a[n], b[n])}
+    matrices = {n for n in a if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n}
+    assert changed == matrices | {"output.weight"}  # token embeddings and norms as in the plain file
+    assert any("below ggml's rounding" in note for note in result.notes)
+
+
+def test_gptq_file_beats_ggml_rounding_for_the_consumer(q3k_files, scorer):
+    """GPTQ's error feedback (and the output layer solved on the final hidden states) must show in the
+    consumer's next-token distributions, not only in the per-layer objective."""
+    rtn, gptq, _ = q3k_files
+    plain, solved = scorer(rtn), scorer(gptq)
+    assert solved.kld < 0.85 * plain.kld, (solved.kld, plain.kld)
+    assert solved.perplexity < plain.perplexity
+
+
+def test_llama_cpp_agrees_with_transformers_on_the_gptq_file(q3k_files, scorer):
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install -e '.[gguf]'")
+    from gguf_reference import llamacpp_perplexity
+    from tokenizers import Tokenizer
+
+    _, gptq, _ = q3k_files
+    ids = Tokenizer.from_file(str(REFERENCE_MODEL / "tokenizer.json")).encode(EVAL_TEXT.read_text(encoding="utf-8")).ids[:4096]
+    theirs = llamacpp_perplexity(gptq, ids, ctx=512)
+    assert abs(theirs / scorer(gptq).perplexity - 1) < 0.005
+
+
+def test_awq_file_folds_scales_and_keeps_quality(tmp_path, q3k_files, scorer):
+    rtn, _, _ = q3k_files
+    out = tmp_path / "awq.gguf"
+    export_calibrated(
+        ExportConfig(REFERENCE_MODEL, out, Target.q3_k), GGUFMethod.awq, CALIBRATION, awq=GGUFAWQMethodConfig(n_grid=5)
+    )
+    a, b = tensors(rtn), tensors(out)
+    assert not np.array_equal(a["blk.0.attn_norm.weight"], b["blk.0.attn_norm.weight"])  # scales folded
+    assert scorer(out).kld < 1.02 * scorer(rtn).kld
+    assert [p.name for p in tmp_path.iterdir()] == ["awq.gguf"]  # the scratch checkpoint is gone
+
+
+def test_awq_then_gptq_writes_the_solved_bytes_of_the_scaled_model(tmp_path, q3k_files, scorer):
+    rtn, _, _ = q3k_files
+    out = tmp_path / "awq-gptq.gguf"
+    result = export_calibrated(
+        ExportConfig(REFERENCE_MODEL, out, Target.q3_k), GGUFMethod.awq_gptq, CALIBRATION, awq=GGUFAWQMethodConfig(n_grid=5)
+    )
+    a, b = tensors(rtn), tensors(out)
+    assert not np.array_equal(a["blk.0.attn_norm.weight"], b["blk.0.attn_norm.weight"])
+    assert any("below ggml's rounding" in note for note in result.notes)
+    assert scorer(out).kld < 0.85 * scorer(rtn).kld
+
+
+def test_cli_gptq_export(tmp_path):
+    from typer.testing import CliRunner
+
+    from compress.cli import app
+
+    out = tmp_path / "m.gguf"
+    args = ["export", str(REFERENCE_MODEL), "-o", str(out), "--type", "q4_0", "--method", "gptq",
+            "--calib", str(CALIB_TEXT), "--samples", "4", "--seq-len", "128", "--json"]
+    res = CliRunner().invoke(app, args, catch_exceptions=False)
+    assert res.exit_code == 0, res.output
+    assert out.read_bytes()[:4] == b"GGUF" and "gptq" in res.output
+
+
+def test_recipe_export_with_gptq_needs_calibration():
+    from compress.run.recipe import parse_recipe
+    from references import one_line_error
+
+    base = {"model": str(REFERENCE_MODEL), "stages": [{"method": "rtn"}], "output": {"path": "x", "format": "fake"}}
+    msg = one_line_error(parse_recipe, {**base, "export": {"path": "x.gguf", "method": "gptq"}})
+    assert "calibration" in msg
+    parse_recipe({**base, "calibration": {"path": str(CALIB_TEXT)}, "export": {"path": "x.gguf", "method": "gptq"}})

@@ -1,0 +1,70 @@
+"""Importance-matrix collection and its llama.cpp file format."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+pytest.importorskip("gguf")
+
+from compress.formats.gguf.imatrix import Imatrix, ImatrixEntry, read_imatrix, write_imatrix  # noqa: E402
+from compress.export.imatrix import ImatrixConfig, collect_imatrix, run_imatrix  # noqa: E402
+from conftest import CALIB_TEXT  # noqa: E402
+from references import one_line_error  # noqa: E402
+
+
+def test_first_block_entries_are_squared_normed_embeddings(tiny_llama):
+    """Textbook check: the input of blk.0's q/k/v is RMSNorm(embedding) (weight times x/rms), so
+    in_sum2 is the column sum of its squares over all tokens and count is the number of tokens."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(0))
+    entries = collect_imatrix(model, ids)
+    emb = model.model.embed_tokens.weight.detach().double()[ids.reshape(-1)]
+    norm = model.model.layers[0].input_layernorm
+    x = emb / torch.sqrt((emb * emb).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight.detach().double()
+    expected = (x * x).sum(0).numpy()
+    for name in ("blk.0.attn_q.weight", "blk.0.attn_k.weight", "blk.0.attn_v.weight"):
+        assert entries[name].count == 120
+        np.testing.assert_allclose(entries[name].in_sum2, expected, rtol=1e-5)
+    assert "output.weight" not in entries and len(entries) == 7 * model.config.num_hidden_layers
+    assert entries["blk.1.ffn_down.weight"].in_sum2.shape == (model.config.intermediate_size,)
+
+
+def test_file_layout_is_llama_cpps(tmp_path):
+    from gguf import GGUFReader, GGUFValueType
+
+    sums = np.arange(1, 9, dtype=np.float64)
+    path = tmp_path / "im.gguf"
+    write_imatrix(path, Imatrix({"blk.0.attn_q.weight": ImatrixEntry(sums, 4)}, ["calib.txt"], 3, 512))
+    reader = GGUFReader(str(path))
+    fields = reader.fields
+    assert fields["general.type"].contents() == "imatrix"
+    assert "general.architecture" not in fields
+    assert fields["imatrix.chunk_count"].types == [GGUFValueType.UINT32] and fields["imatrix.chunk_count"].contents() == 3
+    assert fields["imatrix.chunk_size"].contents() == 512 and fields["imatrix.datasets"].contents() == ["calib.txt"]
+    tensors = {t.name: t for t in reader.tensors}
+    assert tensors["blk.0.attn_q.weight.in_sum2"].tensor_type.name == "F32"
+    assert list(tensors["blk.0.attn_q.weight.in_sum2"].shape) == [8, 1]  # ne = [in_features, n_mat]
+    assert list(tensors["blk.0.attn_q.weight.counts"].shape) == [1, 1]
+    back = read_imatrix(path)
+    np.testing.assert_array_equal(back.entries["blk.0.attn_q.weight"].importance(), (sums / 4).astype(np.float32))
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]
+
+
+def test_run_writes_a_file_and_refuses_to_overwrite(tiny_llama, tmp_path):
+    out = tmp_path / "im.gguf"
+    result = run_imatrix(ImatrixConfig(tiny_llama, CALIB_TEXT, out, samples=2, seq_len=64))
+    assert result["entries"] == 14 and result["chunks"] == 2 and out.is_file()
+    assert read_imatrix(out).entries["blk.1.ffn_down.weight"].count == 128
+    msg = one_line_error(run_imatrix, ImatrixConfig(tiny_llama, CALIB_TEXT, out, samples=2, seq_len=64))
+    assert "--overwrite" in msg
+
+
+def test_reading_something_else_is_a_clear_error(tmp_path):
+    bad = tmp_path / "x.gguf"
+    bad.write_bytes(b"not a gguf file at all")
+    assert "imatrix" in one_line_error(read_imatrix, bad)
+    assert "does not exist" in one_line_error(read_imatrix, tmp_path / "missing.gguf")
