@@ -44,29 +44,11 @@ def ours(matrices, kind: GGMLType) -> tuple[float, dict[str, bytes]]:
     return time.perf_counter() - start, {k: v.tobytes() for k, v in encoded.items()}
 
 
-def _quiet_llama_cpp():
-    """Route llama.cpp's per-tensor log lines to nowhere (they would bury the table)."""
-    import llama_cpp
-
-    @llama_cpp.llama_log_callback
-    def _drop(level, text, user_data):
-        return None
-
-    llama_cpp.llama_log_set(_drop, None)
-    return _drop  # keep a reference: the C side holds only the pointer
-
-
 def llama_cpp_quantize(src: Path, dst: Path, target: Target, threads: int) -> float:
-    import llama_cpp
+    """Seconds ``llama_model_quantize --pure`` took (run in a child process: a crash there is one line)."""
+    from compress.eval.llama_cpp_worker import quantize
 
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = FILE_TYPE[target]
-    params.pure = True
-    params.nthread = threads
-    start = time.perf_counter()
-    if llama_cpp.llama_model_quantize(str(src).encode(), str(dst).encode(), params) != 0:
-        raise SystemExit("llama_model_quantize failed")
-    return time.perf_counter() - start
+    return quantize(src, dst, FILE_TYPE[target], pure=True, threads=threads)
 
 
 def main() -> None:
@@ -77,7 +59,6 @@ def main() -> None:
     args = ap.parse_args()
     from gguf import GGUFReader
 
-    keep = _quiet_llama_cpp()  # noqa: F841
     with tempfile.TemporaryDirectory() as tmp:
         f16 = Path(tmp) / "model-f16.gguf"
         export_gguf(ExportConfig(args.model, f16, Target.f16))

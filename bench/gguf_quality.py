@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from gguf_encode import _quiet_llama_cpp, llama_cpp_quantize
+from gguf_encode import llama_cpp_quantize
 from gguf_imatrix_check import ASSETS, TYPES, Rejected, calibration_windows, export_f16, f16_rounded_copy, ours_export
 from llama_cpp_tools import llama_imatrix, llama_quantize
 
@@ -147,7 +147,6 @@ def main() -> None:
     ap.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary folder)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
     args = ap.parse_args()
-    keep = _quiet_llama_cpp()  # noqa: F841
     with tempfile.TemporaryDirectory() as tmp:
         work = args.workdir or Path(tmp)
         work.mkdir(parents=True, exist_ok=True)

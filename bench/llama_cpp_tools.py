@@ -5,7 +5,7 @@ llama.cpp sources vendored in llama-cpp-python's source distribution, so they ma
 
 The bindings ship only the library; the benches need the tools to compare our imatrix and quantized files
 with what llama.cpp itself writes. The build (CPU only, Release, just the wanted targets, -j2) goes to
-``~/.cache/llm-compress/llama.cpp-<version>`` or to ``$LLAMA_CPP_TOOLS``; later calls reuse it. The sdist
+``~/.cache/llm-compress/llama.cpp-<version>-portable`` or to ``$LLAMA_CPP_TOOLS``; later calls reuse it. The sdist
 comes from ``--sdist``/``$LLAMA_CPP_SDIST``, else ``pip download llama-cpp-python==<installed> --no-binary``.
 """
 
@@ -26,7 +26,9 @@ TOOLS = ("llama-quantize", "llama-imatrix", "llama-perplexity")
 CMAKE_FLAGS = [
     "-DCMAKE_BUILD_TYPE=Release",
     "-DBUILD_SHARED_LIBS=OFF",  # self-contained binaries: no clash with the bindings' libllama.so
-    "-DGGML_NATIVE=ON",
+    # portable, like the bindings' build (README): a native build can pick up CPU features the machine
+    # advertises but the process may not use (AMX in some VMs), and die with SIGILL
+    *[f"-D{flag}" for flag in ("GGML_NATIVE=OFF", "GGML_AVX2=ON", "GGML_AVX512=OFF", "GGML_AMX_TILE=OFF", "GGML_AMX_INT8=OFF", "GGML_AMX_BF16=OFF")],
     "-DLLAMA_CURL=OFF",
     "-DLLAMA_OPENSSL=OFF",
     "-DLLAMA_BUILD_TESTS=OFF",
@@ -47,7 +49,7 @@ def cache_dir() -> Path:
     override = os.environ.get("LLAMA_CPP_TOOLS")
     if override:
         return Path(override).expanduser()
-    return Path.home() / ".cache" / "llm-compress" / f"llama.cpp-{llama_cpp_version()}"
+    return Path.home() / ".cache" / "llm-compress" / f"llama.cpp-{llama_cpp_version()}-portable"
 
 
 def binary_path(name: str, root: Path | None = None) -> Path:
@@ -110,8 +112,10 @@ def _run(command: list[str], log: Path | None) -> None:
     done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if log is not None:
         log.write_text(done.stdout)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(command)} failed ({done.returncode}):\n{done.stdout[-4000:]}")
+    if done.returncode != 0:  # a child process already: a crash (negative code: its signal) ends only the tool
+        from compress.eval.llama_cpp_worker import describe_exit
+
+        raise RuntimeError(f"{' '.join(command)} failed ({describe_exit(done.returncode)[0]}):\n{done.stdout[-4000:]}")
 
 
 def llama_quantize(src: Path, dst: Path, ftype: int, imatrix: Path | None = None, threads: int = 2,

@@ -7,9 +7,11 @@ the same scored targets, the same baseline next-token distributions for the mean
 ``KL(P_baseline || P_output)``. A checkpoint row therefore equals what ``compress eval ppl OUT --text
 FILE --reference BASELINE`` prints for it.
 
-GGUF files are evaluated by llama.cpp when ``llama_cpp`` (llama-cpp-python) is importable: the ids are fed
+GGUF files are evaluated by llama.cpp when ``llama_cpp`` (llama-cpp-python) is installed: the ids are fed
 straight to ``Llama.eval`` with ``logits_all`` (its tokenizer is never used) through `LlamaCppModel`, so the
-windows are the same. Otherwise (or with ``GGUFBackend.DEQUANTIZE``) every tensor is dequantized with
+windows are the same. llama.cpp runs in a child process (`compress.eval.llama_cpp_worker`): if it dies
+(e.g. SIGILL from a build this CPU cannot run), ``auto`` logs the one-line reason and scores the file by
+dequantizing instead, marking the row ``llama.cpp crashed``; ``llama-cpp`` stops with that line. Otherwise (or with ``GGUFBackend.DEQUANTIZE``) every tensor is dequantized with
 gguf-py (``gguf.quants.dequantize``, the reference ggml decoders) into the baseline's architecture, Q/K rows
 permuted back from GGML's interleaved RoPE layout, and the model runs in PyTorch. Each row says which path.
 
@@ -31,13 +33,15 @@ import numpy as np
 import torch
 
 from compress.errors import CompressError
+from compress.eval.llama_cpp_worker import LlamaCppCrash, LlamaCppModel
+from compress.eval.llama_cpp_worker import available as llama_cpp_available
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[str, int, int], None]
 
 
 class GGUFBackend(str, enum.Enum):
-    AUTO = "auto"  # llama.cpp when importable, else dequantize
+    AUTO = "auto"  # llama.cpp when installed (dequantize if it is not, or crashes), else dequantize
     LLAMA_CPP = "llama-cpp"
     DEQUANTIZE = "dequantize"
 
@@ -47,6 +51,7 @@ class Evaluator(str, enum.Enum):
     PACKED = "packed (QuantLinear)"  # compressed-tensors / GPTQ layers dequantized on the fly
     LLAMA_CPP = "llama.cpp"
     GGUF_DEQUANTIZED = "gguf-py dequantized"
+    LLAMA_CPP_CRASHED = "gguf-py dequantized (llama.cpp crashed)"  # auto backend's fallback
 
 
 @dataclass(frozen=True)
@@ -214,47 +219,6 @@ def load_gguf_dequantized(path: Path, baseline_path: Path, device: torch.device)
     return model.to(device).eval()
 
 
-@dataclass
-class _Logits:
-    logits: torch.Tensor
-
-
-class LlamaCppModel:
-    """Adapter giving llama.cpp the ``model(input_ids=..., use_cache=False).logits`` call `evaluate` makes.
-
-    Each window is evaluated from an empty KV cache, on the token ids given (llama.cpp's tokenizer unused).
-    """
-
-    def __init__(self, path: Path, ctx: int, threads: int | None = None):
-        import os
-
-        from llama_cpp import Llama
-
-        self.llm = Llama(
-            model_path=str(path), n_ctx=ctx, n_batch=ctx, n_ubatch=ctx, logits_all=True, verbose=False,
-            n_threads=threads or max(1, (os.cpu_count() or 1)), seed=0,
-        )
-
-    def __call__(self, input_ids: torch.Tensor, use_cache: bool = False) -> _Logits:
-        rows = []
-        for ids in input_ids.tolist():
-            self.llm.reset()
-            self.llm.eval(ids)
-            rows.append(torch.from_numpy(np.array(self.llm.scores[: len(ids)], dtype=np.float32)))
-        return _Logits(torch.stack(rows))
-
-    def close(self) -> None:
-        self.llm.close()
-
-
-def llama_cpp_available() -> bool:
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return False
-    return True
-
-
 def is_gguf(path: Path) -> bool:
     if not path.is_file():
         return False
@@ -316,6 +280,9 @@ def evaluate_outputs(
     def on_batch(label):
         return (lambda d, t: progress(label, d, t)) if progress else None
 
+    def score(model, path: Path):
+        return evaluate(model, tokens, reference=reference, on_batch=on_batch(path.name), **kwargs)
+
     base = evaluate(reference, tokens, on_batch=on_batch("baseline"), **kwargs)
     base_fig = checkpoint_figures(baseline)
     base_row = Row(
@@ -330,21 +297,24 @@ def evaluate_outputs(
         if path.is_file():
             fig = gguf_figures(path)
             use_cpp = gguf_backend == GGUFBackend.LLAMA_CPP or (gguf_backend == GGUFBackend.AUTO and llama_cpp_available())
+            result, evaluator = None, Evaluator.GGUF_DEQUANTIZED
             if use_cpp:
-                model, evaluator = LlamaCppModel(path, protocol.ctx), Evaluator.LLAMA_CPP
-            else:
-                model, evaluator = load_gguf_dequantized(path, baseline, device), Evaluator.GGUF_DEQUANTIZED
+                try:
+                    with LlamaCppModel(path, protocol.ctx) as model:
+                        result, evaluator = score(model, path), Evaluator.LLAMA_CPP
+                except LlamaCppCrash as crash:
+                    if gguf_backend == GGUFBackend.LLAMA_CPP:
+                        raise
+                    log.warning("%s; evaluating %s by dequantizing it instead", crash, path.name)
+                    evaluator = Evaluator.LLAMA_CPP_CRASHED
+            if result is None:
+                result = score(load_gguf_dequantized(path, baseline, device), path)
         else:
             fig = checkpoint_figures(path)
             if load_tokenizer(path).get_vocab() != vocab:
                 raise CompressError(f"{path} and {baseline} have different tokenizers: KLD needs the same one")
-            model = load_model(path, device)
-            evaluator = None
-        result = evaluate(model, tokens, reference=reference, on_batch=on_batch(path.name), **kwargs)
-        if isinstance(model, LlamaCppModel):
-            model.close()
+            result, evaluator = score(load_model(path, device), path), None
         rows.append(make_row(path, result, evaluator, fig))
-        del model
     return Report(base_row, rows, {**protocol.to_dict(), "baseline": str(baseline), "tokens": len(tokens)})
 
 

@@ -89,3 +89,45 @@ def outlier_model(tmp_path_factory) -> Path:
     from compress.eval.outliers import save_outlier_model
 
     return save_outlier_model(REFERENCE_MODEL, tmp_path_factory.mktemp("outlier") / "reference-llama-outliers")
+
+
+# -- llama.cpp: can this machine run the installed build? ------------------------------------------------
+_LLAMA_CPP_SUMMARY: list[str] = []  # printed at the end of the run (pytest_terminal_summary)
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_check(tmp_path_factory):
+    """`check_build` on the reference model exported as Q4_0 and Q4_K_M (ggml has AMX and AVX-512
+    matrix kernels for both), in a child process: the `BuildCheck`, or the `LlamaCppCrash` it raised."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install -e '.[gguf]'")
+    from compress.eval.llama_cpp_worker import LlamaCppCrash, check_build, cpu_flags
+    from compress.export.gguf import ExportConfig, export_gguf
+    from compress.formats.gguf.plan import Target
+
+    root = tmp_path_factory.mktemp("llama-cpp-check")
+    files = [root / f"reference-{t.value}.gguf" for t in (Target.q4_0, Target.q4_k_m)]
+    for path, target in zip(files, (Target.q4_0, Target.q4_k_m)):
+        export_gguf(ExportConfig(REFERENCE_MODEL, path, target))
+    try:
+        check = check_build(files)
+    except LlamaCppCrash as crash:
+        _LLAMA_CPP_SUMMARY.append(f"llama.cpp CANNOT run here: {crash} (CPU reports: {' '.join(cpu_flags())})")
+        return crash
+    _LLAMA_CPP_SUMMARY.append(check.summary())
+    return check
+
+
+@pytest.fixture(scope="session")
+def llama_cpp_runs(llama_cpp_check):
+    """Tests that need llama.cpp skip, with the reason, where its build cannot run on this machine (the
+    one test that fails then is tests/eval/test_llama_cpp_worker.py's build check)."""
+    from compress.eval.llama_cpp_worker import LlamaCppCrash
+
+    if isinstance(llama_cpp_check, LlamaCppCrash):
+        pytest.skip(f"llama.cpp cannot run on this machine: {llama_cpp_check}")
+    return llama_cpp_check
+
+
+def pytest_terminal_summary(terminalreporter):
+    for line in _LLAMA_CPP_SUMMARY:
+        terminalreporter.write_line(line)

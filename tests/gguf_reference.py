@@ -1,4 +1,5 @@
-"""Independent views of a GGUF file for the tests: gguf-py's reader, transformers' loader, llama.cpp."""
+"""Independent views of a GGUF file for the tests: gguf-py's reader, transformers' loader, llama.cpp (always
+in a child process: `compress.eval.llama_cpp_worker`), and ggml's own quantizer."""
 
 from __future__ import annotations
 
@@ -37,18 +38,17 @@ def transformers_model(path: Path):
 
 
 def llamacpp_model(path: Path, n_ctx: int = 512):
-    from llama_cpp import Llama
+    """llama.cpp's model of ``path``, living in a child process (a crash there fails the test, not pytest)."""
+    from compress.eval.llama_cpp_worker import LlamaCppModel
 
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, logits_all=True, verbose=False, n_threads=2, seed=0)
+    return LlamaCppModel(path, ctx=n_ctx, threads=2)
 
 
 def llamacpp_window_log_probs(llm, tokens: list[int], windows) -> list[np.ndarray]:
     """llama.cpp's log-probabilities (float64) of the scored positions of each window, fed without BOS."""
     out = []
     for w in windows:
-        llm.reset()
-        llm.eval(tokens[w.begin : w.end])
-        logits = np.asarray(llm.scores[: w.end - w.begin], dtype=np.float64)
+        logits = np.asarray(llm.scores(tokens[w.begin : w.end]), dtype=np.float64)
         logits = logits[w.score_from - w.begin - 1 : w.end - w.begin - 1]
         shifted = logits - logits.max(axis=1, keepdims=True)
         out.append(shifted - np.log(np.exp(shifted).sum(axis=1, keepdims=True)))
@@ -66,5 +66,32 @@ def llamacpp_perplexity(path: Path, tokens: list[int], ctx: int = 512) -> float:
         targets = np.asarray(tokens[w.score_from : w.end])
         nll -= lp[np.arange(len(targets)), targets].sum()
         count += len(targets)
-    llm.close() if hasattr(llm, "close") else None
+    llm.close()
     return math.exp(nll / count)
+
+
+def ggml_quantize_chunk(state: dict, lib_path: str, w: np.ndarray, kind: int, importance: np.ndarray | None) -> np.ndarray:
+    """ggml's ``ggml_quantize_chunk`` of ``w`` (float32 ``[rows, cols]``) into ``kind``, called through ctypes
+    in the libggml-base that llama-cpp-python ships. Runs in a `LlamaCppWorker` child (``state`` keeps the
+    loaded library)."""
+    import ctypes
+
+    from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
+
+    if "ggml" not in state:
+        lib = ctypes.CDLL(lib_path)
+        lib.ggml_quantize_chunk.restype = ctypes.c_size_t
+        lib.ggml_quantize_chunk.argtypes = [
+            ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p,
+        ]
+        lib.ggml_quantize_init.argtypes = [ctypes.c_int]
+        state["ggml"] = lib
+    lib = state["ggml"]
+    w = np.ascontiguousarray(w, dtype=np.float32)
+    rows, cols = w.shape
+    block, size = BLOCK_SIZES[GGMLType(kind)]
+    out = np.zeros((rows, cols // block * size), dtype=np.uint8)
+    lib.ggml_quantize_init(kind)
+    qw = None if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
+    lib.ggml_quantize_chunk(kind, w.ctypes.data, out.ctypes.data, 0, rows, cols, None if qw is None else qw.ctypes.data)
+    return out

@@ -170,9 +170,8 @@ def test_gguf_dequantized_equals_the_same_weights_as_safetensors(gguf_pair):
     assert gguf_row.size_bytes == path.stat().st_size
 
 
-def test_gguf_through_llama_cpp_lands_at_the_safetensors_kld(gguf_pair):
+def test_gguf_through_llama_cpp_lands_at_the_safetensors_kld(gguf_pair, llama_cpp_runs):
     """llama.cpp (its own kernels, int8 activations in the dot products) agrees within noise."""
-    pytest.importorskip("llama_cpp")
     path, dense = gguf_pair
     report = evaluate_outputs([path, dense], REFERENCE_MODEL, PROTOCOL, GGUFBackend.AUTO)
     cpp, hf = report.rows

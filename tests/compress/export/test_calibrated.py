@@ -67,8 +67,7 @@ def test_gptq_file_beats_ggml_rounding_for_the_consumer(q3k_files, scorer):
     assert solved.perplexity < plain.perplexity
 
 
-def test_llama_cpp_agrees_with_transformers_on_the_gptq_file(q3k_files, scorer):
-    pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install -e '.[gguf]'")
+def test_llama_cpp_agrees_with_transformers_on_the_gptq_file(q3k_files, scorer, llama_cpp_runs):
     from gguf_reference import llamacpp_perplexity
     from tokenizers import Tokenizer
 

@@ -1,9 +1,8 @@
 """Our encoders against ggml's own (``ggml_quantize_chunk`` in the libggml-base that llama-cpp-python
-ships), on the same float32 input: the bytes should be the same, block for block."""
+ships, called in a child process), on the same float32 input: the bytes should be the same, block for block."""
 
 from __future__ import annotations
 
-import ctypes
 from pathlib import Path
 
 import numpy as np
@@ -11,31 +10,25 @@ import pytest
 
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install -e '.[gguf]'")
 
+from compress.eval.llama_cpp_worker import LlamaCppWorker  # noqa: E402
 from compress.formats.gguf.codecs import CODECS, decode_tensor, encode_tensor  # noqa: E402
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType  # noqa: E402
+from gguf_reference import ggml_quantize_chunk  # noqa: E402
 
 
 @pytest.fixture(scope="module")
-def ggml():
+def ggml(llama_cpp_runs):
+    """ggml's quantizer, called in a child process (`LlamaCppWorker`): a crash there fails the test only."""
     found = sorted(Path(llama_cpp.__file__).parent.rglob("libggml-base.*"))
     if not found:
         pytest.skip("llama-cpp-python ships no libggml-base library to call")
-    lib = ctypes.CDLL(str(found[0]))
-    lib.ggml_quantize_chunk.restype = ctypes.c_size_t
-    lib.ggml_quantize_chunk.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p]
-    lib.ggml_quantize_init.argtypes = [ctypes.c_int]
-    return lib
+    with LlamaCppWorker(found[0].name) as worker:
+        yield worker, str(found[0])
 
 
-def ggml_encode(lib, w: np.ndarray, kind: GGMLType, importance: np.ndarray | None = None) -> np.ndarray:
-    w = np.ascontiguousarray(w, dtype=np.float32)
-    rows, cols = w.shape
-    block, size = BLOCK_SIZES[kind]
-    out = np.zeros((rows, cols // block * size), dtype=np.uint8)
-    lib.ggml_quantize_init(int(kind))
-    qw = None if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
-    lib.ggml_quantize_chunk(int(kind), w.ctypes.data, out.ctypes.data, 0, rows, cols, None if qw is None else qw.ctypes.data)
-    return out
+def ggml_encode(ggml, w: np.ndarray, kind: GGMLType, importance: np.ndarray | None = None) -> np.ndarray:
+    worker, lib_path = ggml
+    return worker.call(ggml_quantize_chunk, lib_path, w, int(kind), importance, doing="quantizing with")
 
 
 def matrices():

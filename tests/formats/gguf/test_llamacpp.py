@@ -1,7 +1,8 @@
 """llama.cpp as the real consumer of our GGUF files (through llama-cpp-python).
 
-Skipped only where llama-cpp-python is not installed (it is in the ``gguf`` extra; it compiles
-llama.cpp at install time).
+Skipped where llama-cpp-python is not installed (it is in the ``gguf`` extra; it compiles llama.cpp at
+install time), or, with the reason, where its build cannot run on this CPU (tests/eval/test_llama_cpp_worker.py
+fails then). llama.cpp always runs in a child process (`compress.eval.llama_cpp_worker`).
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import numpy as np
 import pytest
 import torch
 
-llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install -e '.[gguf]'")
+pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install -e '.[gguf]'")
 
+from compress.eval.llama_cpp_worker import quantize  # noqa: E402
 from compress.eval.perplexity import evaluate  # noqa: E402
 from compress.export.gguf import ExportConfig, export_gguf  # noqa: E402
 from compress.formats.gguf.plan import PRESETS, Target  # noqa: E402
@@ -30,7 +32,7 @@ def eval_ids() -> list[int]:
 
 
 @pytest.fixture(scope="module")
-def exported(tmp_path_factory):
+def exported(tmp_path_factory, llama_cpp_runs):
     """One export per type of the reference model, made on first use."""
     root = tmp_path_factory.mktemp("gguf-llamacpp")
     cache = {}
@@ -50,10 +52,9 @@ def test_llama_cpp_loads_generates_and_agrees_with_our_evaluator(exported, eval_
     """llama.cpp's perplexity of our file (its own logits, 512-token windows, no BOS) is within 0.5%
     of our evaluator's on transformers' dequantization of the same file."""
     path = exported(target)
-    llm = llamacpp_model(path)
-    out = llm("ROMEO:", max_tokens=16, temperature=0.0)
+    with llamacpp_model(path) as llm:
+        out = llm.complete("ROMEO:", max_tokens=16)
     assert out["usage"]["completion_tokens"] > 0 and out["choices"][0]["text"].strip()
-    llm.close()
     ours = evaluate(transformers_model(path), torch.tensor(eval_ids), ctx=512).perplexity
     theirs = llamacpp_perplexity(path, eval_ids, ctx=512)
     assert abs(theirs / ours - 1) < 0.005, (theirs, ours)
@@ -63,15 +64,14 @@ def test_llama_cpp_tokenizes_like_the_hf_tokenizer(exported, eval_ids):
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(REFERENCE_MODEL / "tokenizer.json"))
-    llm = llamacpp_model(exported(Target.q8_0))
     text = EVAL_TEXT.read_text(encoding="utf-8")[:20000]
-    ours = llm.tokenize(text.encode(), add_bos=False, special=False)
+    with llamacpp_model(exported(Target.q8_0)) as llm:
+        ours = llm.tokenize(text.encode(), add_bos=False, special=False)
     assert ours == tok.encode(text).ids
-    llm.close()
 
 
 @pytest.fixture(scope="module")
-def half_reference(tmp_path_factory):
+def half_reference(tmp_path_factory, llama_cpp_runs):
     """The reference model stored in float16, so that our encoder and llama.cpp's (which quantizes
     from our F16 file) start from the same numbers."""
     import shutil
@@ -95,11 +95,7 @@ def test_our_file_is_llama_quantize_output(half_reference, tmp_path, target, fty
     ours = tmp_path / "ours.gguf"
     export_gguf(ExportConfig(half_reference, ours, target))
     theirs = tmp_path / "theirs.gguf"
-    params = llama_cpp.llama_model_quantize_default_params()
-    params.ftype = ftype
-    params.pure = True
-    params.nthread = 2
-    assert llama_cpp.llama_model_quantize(str(f16).encode(), str(theirs).encode(), params) == 0
+    quantize(f16, theirs, ftype, pure=True, threads=2)  # llama_model_quantize, in a child process
     a = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(ours)).tensors}
     b = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(theirs)).tensors}
     assert a.keys() == b.keys()
