@@ -1,7 +1,8 @@
 """Quality of quantization methods on the reference model: perplexity and mean KLD against the original.
 
-    python bench/quality.py [--methods rtn,gptq,gptq:act_order=true] [--settings 8:128,4:-1,4:128,3:128,2:64]
+    python bench/quality.py [--methods rtn,gptq,gptq:act_order=false] [--settings 8:128,4:-1,4:128,3:128,2:64]
                             [--text ../shared/corpus/shakespeare/test.txt] [--calib FILE --samples 64 --seq-len 512]
+                            [--model DIR|FILE.gguf] [--ctx 512] [--max-tokens N]
 
 One row per method and setting (bits:group_size, symmetric), with the figures `compress eval ppl` reports.
 Methods that need calibration data get ``--calib``; extra method settings follow a colon (``name:key=value``).
@@ -48,6 +49,7 @@ def main() -> None:
     ap.add_argument("--methods", default="rtn,gptq")
     ap.add_argument("--settings", default="8:128,4:-1,4:128,3:128,2:64")
     ap.add_argument("--ctx", type=int, default=512)
+    ap.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
     args = ap.parse_args()
     settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
     print(f"model {args.model}, text {args.text}, ctx {args.ctx}; calibration {args.calib.name} "
@@ -62,7 +64,7 @@ def main() -> None:
                     "model": args.model,
                     "stages": [{"method": name, "bits": bits, "group_size": group, **options}],
                     "output": {"path": Path(tmp) / "out", "overwrite": True},
-                    "evaluation": {"text": args.text, "ctx": args.ctx},
+                    "evaluation": {"text": args.text, "ctx": args.ctx, "max_tokens": args.max_tokens},
                 }
                 if needs_data:
                     data["calibration"] = {"path": args.calib, "samples": args.samples, "seq_len": args.seq_len}

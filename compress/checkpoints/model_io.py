@@ -232,10 +232,12 @@ def quantizable_layers(
     return selected
 
 
-def parameter_count(model: nn.Module) -> int:
+def parameter_count(model: nn.Module, tied: set[str] = frozenset()) -> int:
+    """Parameters stored once each: shared modules counted once, and ``tied`` names (tied to another
+    parameter at load time, e.g. ``lm_head.weight`` with tied embeddings) not at all."""
     seen, total = set(), 0
-    for p in model.parameters():
-        if id(p) not in seen:
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) not in seen and name not in tied:
             seen.add(id(p))
             total += p.numel()
     return total

@@ -47,13 +47,14 @@ def _root(version: bool = typer.Option(False, "--version", help="Show the versio
 
 
 def _register_commands() -> None:
-    from compress.cli import compressing, distill, evaluate, export, inspect, report
+    from compress.cli import compressing, convert, distill, evaluate, export, inspect, report
 
     compressing.register(app)  # quantize, prune, run
     evaluate.register(app, eval_app)  # eval ppl, reference-model
     inspect.register(app)  # inspect, methods
     distill.register(app)
     export.register(app)  # export, imatrix
+    convert.register(app)  # convert (GGUF in)
     report.register(app, eval_app)  # report, sweep, eval lm-eval
 
 

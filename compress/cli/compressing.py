@@ -65,6 +65,8 @@ def _execute(recipe, as_json: bool) -> None:
     }
     if summary["peak_device_bytes"] is not None:
         rows["peak device memory"] = human_bytes(summary["peak_device_bytes"])
+    for i, note in enumerate(summary["notes"]):
+        rows[f"note {i + 1}"] = note
     if result.evaluation is not None:
         ev = result.evaluation
         rows["perplexity (original)"] = f"{ev.perplexity:.4f} ({ev.ref_perplexity:.4f})"
@@ -112,7 +114,9 @@ def quantize(
     output: Path = OUTPUT_OPT,
     method: str = typer.Option("rtn", "--method", help="Quantization method: rtn, gptq, awq or smoothquant (see `compress methods`)."),
     bits: Optional[int] = typer.Option(None, "--bits", help="Weight bit width, 2 to 8 (default 4)."),
-    group_size: Optional[int] = typer.Option(None, "--group-size", help="Columns per scale group; -1 for per channel (default 128)."),
+    group_size: Optional[str] = typer.Option(
+        None, "--group-size", help="Columns per scale group; -1 for per channel; auto: the largest of 128/64/32 dividing every layer (default 128).",
+    ),
     symmetric: Optional[bool] = typer.Option(None, "--sym/--asym", help="Symmetric or asymmetric grid (default symmetric)."),
     output_format: str = FORMAT_OPT,
     calib: Optional[Path] = CALIB_OPT,

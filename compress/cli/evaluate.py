@@ -3,6 +3,7 @@ reference model that quality tests measure against."""
 
 from __future__ import annotations
 
+from contextlib import nullcontext
 from pathlib import Path
 from typing import Optional
 
@@ -14,7 +15,7 @@ from compress.cli.options import DEVICE_OPT, JSON_OPT
 
 @user_errors
 def eval_ppl(
-    model: Path = typer.Argument(..., help="Checkpoint directory to evaluate."),
+    model: Path = typer.Argument(..., help="Checkpoint directory (or .gguf file, converted) to evaluate."),
     text: Path = typer.Option(..., "--text", help="UTF-8 text file."),
     ctx: int = typer.Option(512, "--ctx", help="Window length in tokens."),
     stride: Optional[int] = typer.Option(None, "--stride", help="Window stride (default: ctx)."),
@@ -25,11 +26,13 @@ def eval_ppl(
     as_json: bool = JSON_OPT,
 ) -> None:
     """Sliding-window perplexity (and KLD against a reference model)."""
+    from compress.checkpoints.gguf_source import checkpoint_source
     from compress.eval.checkpoint import evaluate_checkpoint
 
-    with progress_bars(not as_json) as progress:
+    with progress_bars(not as_json) as progress, checkpoint_source(model, progress) as model_dir, \
+            checkpoint_source(reference, progress) if reference is not None else nullcontext() as reference_dir:
         result = evaluate_checkpoint(
-            model, text, ctx, stride, batch_size, reference, device, max_tokens, lambda d, t: progress("evaluation", d, t)
+            model_dir, text, ctx, stride, batch_size, reference_dir, device, max_tokens, lambda d, t: progress("evaluation", d, t)
         )
     data = {"model": str(model), "text": str(text), "ctx": ctx, "stride": stride or ctx, **result.to_dict()}
     if as_json:

@@ -37,8 +37,9 @@ def export_command(
     """Export a llama/mistral/qwen2 checkpoint to a single file that llama.cpp runs (GGUF)."""
     import tempfile
 
+    from compress.checkpoints.gguf_source import checkpoint_source
     from compress.errors import CompressError
-    from compress.export.gguf import ExportConfig, GGUFMethod, export_gguf
+    from compress.export.gguf import ExportConfig, GGUFMethod, check_output, export_gguf
     from compress.formats.gguf.plan import Target
 
     if output_format != "gguf":
@@ -59,7 +60,8 @@ def export_command(
         raise CompressError("--method imatrix needs exactly one of --imatrix FILE or --calib TEXT")
     if kind.calibrated and calib is None:
         raise CompressError(f"--method {kind.value} needs calibration text: add --calib PATH")
-    with progress_bars(not as_json) as progress, tempfile.TemporaryDirectory() as scratch:
+    check_output(ExportConfig(model, output, target, overwrite))  # before a GGUF input's conversion
+    with progress_bars(not as_json) as progress, tempfile.TemporaryDirectory() as scratch, checkpoint_source(model, progress) as model:
         config = ExportConfig(model, output, target, overwrite)
         if kind.calibrated:
             from compress.export.calibrated import export_calibrated
@@ -105,9 +107,10 @@ def imatrix_command(
     as_json: bool = JSON_OPT,
 ) -> None:
     """Collect an importance matrix (mean squared input of every block linear layer) for llama.cpp."""
+    from compress.checkpoints.gguf_source import checkpoint_source
     from compress.export.imatrix import ImatrixConfig, run_imatrix
 
-    with progress_bars(not as_json) as progress:
+    with progress_bars(not as_json) as progress, checkpoint_source(model, progress) as model:
         result = run_imatrix(ImatrixConfig(model, calib, output, samples, seq_len, 0, process_output, overwrite), progress)
     if as_json:
         print_json(result)

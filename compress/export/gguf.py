@@ -102,6 +102,7 @@ class ExportResult:
     weight_count: int = 0
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    fallbacks: list[dict] = field(default_factory=list)  # tensors whose row length forced another type
 
     @property
     def bits_per_weight(self) -> float:
@@ -112,7 +113,7 @@ class ExportResult:
             "output": str(self.output), "type": self.target, "architecture": self.architecture,
             "file_bytes": self.file_bytes, "weights": self.weight_count,
             "bits_per_weight": round(self.bits_per_weight, 4), "seconds": round(self.seconds, 3),
-            "tensors": [t.__dict__ for t in self.tensors], "notes": self.notes,
+            "tensors": [t.__dict__ for t in self.tensors], "notes": self.notes, "fallbacks": self.fallbacks,
         }
 
 
@@ -235,8 +236,12 @@ def export_gguf(
                 writer.add_string("quantize.imatrix.dataset", imatrix.datasets[0])
             writer.add_int32("quantize.imatrix.entries_count", len(imatrix.entries))
             writer.add_int32("quantize.imatrix.chunks_count", imatrix.chunk_count)
+        tied = all(gname != "output.weight" for _, gname, _, _ in entries)
         for _, gname, kind, shape in entries:
             cols = shape[-1]
+            intended = plan.intended_type(config.target, gname, tuple(shape), hf["num_hidden_layers"], tied)
+            if intended != kind:
+                result.fallbacks.append({"tensor": gname, "planned": intended.name, "written": kind.name, "row_length": cols})
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1
             nbytes = rows * row_bytes(kind, cols)
             byte_shape = [*shape[:-1], row_bytes(kind, cols)]
@@ -264,6 +269,12 @@ def export_gguf(
             writer.write_tensor_data(np.ascontiguousarray(data).reshape(-1))
             if progress:
                 progress("writing tensors", i + 1, len(entries))
+    if result.fallbacks:  # as llama-quantize's "tensor cols N are not divisible by M, falling back"
+        counts: dict[str, int] = {}
+        for f in result.fallbacks:
+            counts[f"{f['planned']}→{f['written']}"] = counts.get(f"{f['planned']}→{f['written']}", 0) + 1
+        result.notes.append(f"{len(result.fallbacks)} tensors fell back (row length not a multiple of the type's block, "
+                            f"as llama.cpp does): " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     result.file_bytes = out.stat().st_size
     result.seconds = time.perf_counter() - start
     return result

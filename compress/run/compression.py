@@ -5,7 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import json
 import logging
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +18,9 @@ from compress.errors import CompressError
 from compress.checkpoints.loading import load_tokenizer, resolve_device
 from compress.eval.checkpoint import evaluate_checkpoint
 from compress.formats.packers import make_format
-from compress.checkpoints.model_io import open_model, quantizable_layers
+from compress.checkpoints.model_io import get_weight, open_model, quantizable_layers
 from compress.checkpoints.output import OutputDir, copy_side_files, dir_size, write_config, write_layer_report, write_model_card
-from compress.run.recipe import Recipe
+from compress.run.recipe import Recipe, StageSpec
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +32,7 @@ class RunResult:
     input_bytes: int
     output_bytes: int
     evaluation: EvalResult | None = None
+    notes: list[str] = field(default_factory=list)  # choices the run made for the user (e.g. group size auto)
 
     def to_dict(self) -> dict[str, Any]:
         layers = [asdict(r) for r in self.engine.layers]
@@ -45,7 +46,33 @@ class RunResult:
             "input_bytes": self.input_bytes,
             "output_bytes": self.output_bytes,
             "evaluation": self.evaluation.to_dict() if self.evaluation else None,
+            "notes": self.notes,
         }
+
+
+AUTO_GROUP_SIZES = (128, 64, 32)
+
+
+def resolve_auto_group_sizes(recipe: Recipe, handle) -> tuple[Recipe, list[str]]:
+    """Each stage's ``group_size: auto`` as the largest of 128, 64, 32 that divides the in_features of every
+    layer the stage selects (a width such as SmolLM2's 576 takes 64); with a note saying which."""
+    block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
+    stages, notes = [], []
+    for index, spec in enumerate(recipe.stages):
+        if spec.method_config().get("group_size") != "auto":
+            stages.append(spec)
+            continue
+        layers = quantizable_layers(handle.model, block_names, spec.include, spec.exclude)
+        widths = sorted({get_weight(module).shape[1] for module in layers.values()})
+        chosen = next((size for size in AUTO_GROUP_SIZES if all(w % size == 0 for w in widths)), None)
+        if chosen is None:
+            raise CompressError(
+                f"stage {index + 1} ({spec.method}): group size auto: none of {', '.join(map(str, AUTO_GROUP_SIZES))} divides "
+                f"every selected layer's in_features ({', '.join(map(str, widths))}): give -1 (per channel) or exclude those layers"
+            )
+        notes.append(f"stage {index + 1} ({spec.method}): group size auto chose {chosen} (in_features {', '.join(map(str, widths))})")
+        stages.append(StageSpec.model_validate({**spec.model_dump(), "group_size": chosen}))
+    return recipe.model_copy(update={"stages": stages}), notes
 
 
 def _record(recipe: Recipe, command: str | None, methods: list) -> dict[str, Any]:
@@ -62,7 +89,7 @@ def _record(recipe: Recipe, command: str | None, methods: list) -> dict[str, Any
     return {
         "tool": "llm-compress",
         "tool_version": __version__,
-        "source_model": str(recipe.model),
+        "source_model": str(recipe.source_model),
         "format": "dense",  # replaced by the packed format's name when any layer is stored packed
         "stages": stages,
         "calibration": cal.model_dump(mode="json") if cal else None,
@@ -94,6 +121,7 @@ def run_stages(
     handle = open_model(recipe.model, recipe.trust_remote_code)
     if getattr(handle.config, "quantization_config", None):
         raise CompressError(f"{recipe.model} is already quantized (quantization_config in config.json): compress the original checkpoint")
+    recipe, notes = resolve_auto_group_sizes(recipe, handle)
     packer = make_format(recipe.output.format)
     if packer is not None:
         for method in recipe.methods():
@@ -145,4 +173,4 @@ def run_stages(
         from compress.export.spec import export_from_spec
 
         export_from_spec(recipe.output.path, recipe.export, progress, recipe.calibration, recipe.device.value)
-    return RunResult(recipe.output.path, result, handle.reader.total_bytes(), dir_size(recipe.output.path), evaluation)
+    return RunResult(recipe.output.path, result, handle.reader.total_bytes(), dir_size(recipe.output.path), evaluation, notes)

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from compress.distill.config import DistillSpec
 from compress.errors import CompressError
@@ -87,8 +87,21 @@ class Recipe(_Strict):
     distill: DistillSpec | None = None  # after the stages (if any): distil into the compressed model
     export: ExportSpec | None = None  # after the run: also write the output checkpoint as one GGUF file
 
+    _source: Path | None = PrivateAttr(None)  # the GGUF file ``model`` was converted from, if any
+
     def methods(self) -> list[Method]:
         return [stage.build() for stage in self.stages]
+
+    @property
+    def source_model(self) -> Path:
+        """What the user named as the model (records and model cards say this, not a scratch conversion)."""
+        return self._source or self.model
+
+    def with_converted_model(self, directory: Path) -> "Recipe":
+        """This recipe run on ``directory``, the float conversion of its (GGUF) model."""
+        converted = self.model_copy(update={"model": directory})
+        converted._source = self.source_model
+        return converted
 
 
 def _line_index(node: yaml.Node, path: tuple = ()) -> dict[tuple, int]:

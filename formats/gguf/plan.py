@@ -121,14 +121,19 @@ def _mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: int, 
     return base
 
 
-def tensor_type(target: Target, name: str, shape: tuple[int, ...], n_layers: int, tied: bool) -> GGMLType:
-    """The GGML type of GGUF tensor ``name`` (torch ``shape``) under ``target``."""
+def intended_type(target: Target, name: str, shape: tuple[int, ...], n_layers: int, tied: bool) -> GGMLType:
+    """The GGML type ``target`` gives GGUF tensor ``name`` before any fallback for its row length."""
     if len(shape) < 2:
         return G.F32
     base = BASE[target]
-    kind = _mixed(target, name, base, shape[-1], n_layers, tied) if target in PRESETS else base
+    return _mixed(target, name, base, shape[-1], n_layers, tied) if target in PRESETS else base
+
+
+def tensor_type(target: Target, name: str, shape: tuple[int, ...], n_layers: int, tied: bool) -> GGMLType:
+    """The GGML type of GGUF tensor ``name`` (torch ``shape``) under ``target``, as written."""
+    kind = intended_type(target, name, shape, n_layers, tied)
     cols = shape[-1]
-    if cols % BLOCK_SIZES[kind][0]:
+    if len(shape) >= 2 and cols % BLOCK_SIZES[kind][0]:
         kind = FALLBACK.get(kind, kind)
         if cols % BLOCK_SIZES[kind][0]:
             kind = G.F16

@@ -13,7 +13,7 @@ from pydantic import Field, field_validator, model_validator
 
 from compress.errors import CompressError
 from compress.engine.methods.base import HessianMethod, LayerOutcome, Method, MethodConfig, SolverConfig
-from compress.engine.methods.rtn import check_group_size
+from compress.engine.methods.rtn import GroupSize, check_group_size
 from compress.pruners.magnitude import MagnitudeConfig, magnitude
 from compress.pruners.masks import NM, Pattern, Unstructured
 from compress.pruners.sparsegpt import SparseGPTConfig, sparsegpt
@@ -89,7 +89,7 @@ class Wanda(_Pruner):
 
 class SparseGPTMethodConfig(PruneConfig, SolverConfig):  # block_size is also the unstructured mask's column block
     bits: Optional[int] = Field(None, ge=MIN_BITS, le=MAX_BITS, description="joint mode: also quantize kept weights (None: no)")
-    group_size: int = Field(128, description="joint mode: columns per scale/zero group; -1 per output channel")
+    group_size: GroupSize = Field(128, description="joint mode: columns per scale/zero group; -1 per output channel; auto")
     symmetric: bool = Field(True, description="joint mode: symmetric grid")
 
     @model_validator(mode="after")
