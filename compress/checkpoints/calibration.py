@@ -109,10 +109,13 @@ def _read_file(path: Path) -> list[str]:
     if suffix == ".parquet":
         return _read_parquet(path)
     try:
-        return [path.read_text(encoding="utf-8")]
+        text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as exc:
         raise CompressError(f"calibration file {path} is not UTF-8 text (byte {exc.start}): "
                             "convert it to UTF-8 or give a .jsonl/.parquet file") from None
+    if "\x00" in text:  # valid UTF-8 but not text: NUL bytes are what binary files are made of
+        raise CompressError(f"calibration file {path} is binary (NUL bytes at character {text.index(chr(0))}): give a text file")
+    return [text]
 
 
 def _read_documents(path: Path) -> list[str]:

@@ -19,14 +19,24 @@ LAYER_REPORT = "compression_report.json"
 NOT_COPIED = {"config.json", "README.md", "model.safetensors.index.json", "pytorch_model.bin.index.json", LAYER_REPORT}
 
 
+def check_outside_input(output: Path, model: Path) -> None:
+    """The output is neither the input model nor inside it (a symlink to either counts as it): the input
+    is never touched."""
+    out, src = output.resolve(), model.resolve()
+    if out == src:
+        raise CompressError(f"output {output} is the input model: choose another output directory")
+    if src in out.parents:
+        raise CompressError(f"output {output} is inside the input model {model}: choose a path outside it")
+
+
 class OutputDir:
     """``with OutputDir(path, overwrite) as tmp:`` write into ``tmp``; renamed to ``path`` on success."""
 
     def __init__(self, final: Path, overwrite: bool = False, protect: Path | None = None):
         self.final = final
         self.overwrite = overwrite
-        if protect is not None and final.resolve() == protect.resolve():
-            raise CompressError(f"output {final} is the input model: choose another output directory")
+        if protect is not None:
+            check_outside_input(final, protect)
         if final.exists() and not overwrite:
             raise CompressError(f"output {final} already exists: pass --overwrite or choose another directory")
         if final.exists() and not final.is_dir():

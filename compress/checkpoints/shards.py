@@ -38,6 +38,46 @@ BIN_SINGLE = "pytorch_model.bin"
 BIN_INDEX = "pytorch_model.bin.index.json"
 
 
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    keys = [k for k, _ in pairs]
+    if len(keys) != len(set(keys)):
+        raise ValueError(f"duplicate key {next(k for k in keys if keys.count(k) > 1)!r}")
+    return dict(pairs)
+
+
+def _is_count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _check_entries(path: Path, entries: dict[str, dict], data_len: int, fix: str) -> None:
+    """Every tensor's dtype, shape and byte range are valid, agree with each other and with the file, and
+    no two ranges overlap: a header that lies is an error here, before any allocation it asks for."""
+    spans = []
+    for name, entry in entries.items():
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in SAFETENSORS_DTYPES:
+            raise CompressError(f"{path}: tensor {name} has unsupported dtype {dtype}: convert the checkpoint")
+        if not isinstance(shape, list) or not all(_is_count(d) for d in shape):
+            raise CompressError(f"{path}: tensor {name} has an invalid shape {shape!r}: {fix}")
+        if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_count(o) for o in offsets) or offsets[0] > offsets[1]:
+            raise CompressError(f"{path}: tensor {name} has invalid data_offsets {offsets!r}: {fix}")
+        if offsets[1] > data_len:
+            raise CompressError(f"{path} is truncated: tensor {name} ends at byte {offsets[1]} of a {data_len}-byte data section: {fix}")
+        numel = 1
+        for d in shape:
+            numel *= d
+        nbytes = numel * SAFETENSORS_DTYPES[dtype].itemsize
+        if nbytes != offsets[1] - offsets[0]:
+            raise CompressError(
+                f"{path}: tensor {name} has shape {shape} ({nbytes} bytes of {dtype}) but {offsets[1] - offsets[0]} bytes of data: {fix}"
+            )
+        spans.append((offsets[0], offsets[1], name))
+    spans.sort()
+    for (_, end, first), (begin, _, second) in zip(spans, spans[1:]):
+        if begin < end:
+            raise CompressError(f"{path}: tensors {first} and {second} overlap in the data section: {fix}")
+
+
 def _read_safetensors_header(path: Path) -> tuple[int, dict[str, dict]]:
     """Validate a safetensors file's header against its size; return (data start, tensor entries)."""
     size = path.stat().st_size
@@ -50,20 +90,14 @@ def _read_safetensors_header(path: Path) -> tuple[int, dict[str, dict]]:
         if header_len > size - 8:
             raise CompressError(f"{path} is truncated: its header needs {header_len} bytes, file has {size}: {fix}")
         try:
-            header = json.loads(f.read(header_len))
-        except ValueError:
-            header = None
+            header = json.loads(f.read(header_len).decode("utf-8"), object_pairs_hook=_unique_keys)
+        except (ValueError, RecursionError) as exc:  # not UTF-8, not JSON, duplicate names, nested too deep
+            problem = "nested too deep" if isinstance(exc, RecursionError) else str(exc).splitlines()[0][:80]
+            raise CompressError(f"{path} has a corrupt safetensors header ({problem}): {fix}") from None
     entries = {k: v for k, v in header.items() if k != "__metadata__"} if isinstance(header, dict) else None
-    if entries is None or not all(isinstance(v, dict) and "data_offsets" in v for v in entries.values()):
+    if entries is None or not all(isinstance(v, dict) for v in entries.values()):
         raise CompressError(f"{path} has a corrupt safetensors header: {fix}")
-    data_end = max((v["data_offsets"][1] for v in entries.values()), default=0)
-    if 8 + header_len + data_end > size:
-        raise CompressError(
-            f"{path} is truncated: {8 + header_len + data_end} bytes expected, {size} found: {fix}"
-        )
-    for name, entry in entries.items():
-        if entry.get("dtype") not in SAFETENSORS_DTYPES:
-            raise CompressError(f"{path}: tensor {name} has unsupported dtype {entry.get('dtype')}: convert the checkpoint")
+    _check_entries(path, entries, size - 8 - header_len, fix)
     return 8 + header_len, entries
 
 

@@ -32,6 +32,7 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
+from compress.checkpoints.output import check_outside_input
 from compress.checkpoints.shards import CheckpointReader
 from compress.errors import CompressError
 from compress.formats.gguf import plan
@@ -200,6 +201,7 @@ def _tensor_plan(reader: CheckpointReader, config: dict, target: Target) -> list
 
 
 def check_output(config: ExportConfig) -> None:
+    check_outside_input(config.output, config.model)
     if config.output.exists() and not config.overwrite:
         raise CompressError(f"{config.output} exists: pass --overwrite to replace it, or choose another -o")
 

@@ -187,19 +187,40 @@ def _at_line(lines: dict[tuple, int], loc: tuple) -> str:
     return ""
 
 
+MAX_RECIPE_NODES = 100_000  # a recipe is a few hundred values; aliases must not expand it exponentially
+
+
+def _expanded_size(node: yaml.Node, sizes: dict[int, int]) -> int:
+    """Values in the document with every alias expanded, counted in time linear in the composed graph
+    (a node reached through several aliases is counted each time, but computed once)."""
+    if id(node) not in sizes:
+        sizes[id(node)] = 1  # a cycle (a node aliased inside itself) counts once
+        children = [part for pair in node.value for part in pair] if isinstance(node, yaml.MappingNode) else (
+            node.value if isinstance(node, yaml.SequenceNode) else [])
+        sizes[id(node)] = min(1 + sum(_expanded_size(child, sizes) for child in children), MAX_RECIPE_NODES + 1)
+    return sizes[id(node)]
+
+
 def load_recipe(path: Path) -> Recipe:
     """Read and validate a YAML recipe; relative paths in it are taken from the working directory."""
     if not path.is_file():
         problem = "is a directory" if path.is_dir() else "does not exist"
         raise CompressError(f"recipe {path} {problem}: give the path of a YAML recipe file")
-    text = path.read_text(encoding="utf-8")
     try:
-        node = yaml.compose(text)
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise CompressError(f"recipe {path} is not UTF-8 text: save it as UTF-8 YAML") from None
+    try:
+        node = yaml.compose(text)  # safe: no tags run code (python/object tags fail in safe_load below)
+        if node is not None and _expanded_size(node, {}) > MAX_RECIPE_NODES:
+            raise CompressError(f"{path}: its anchors and aliases expand to more than {MAX_RECIPE_NODES} values: write the recipe out plainly")
         data = yaml.safe_load(text)
     except yaml.YAMLError as exc:
         mark = getattr(exc, "problem_mark", None)
         where = f":{mark.line + 1}" if mark else ""
         raise CompressError(f"{path}{where}: not valid YAML ({getattr(exc, 'problem', exc)})") from None
+    except RecursionError:
+        raise CompressError(f"{path}: nested too deeply to be a recipe: write the recipe out plainly") from None
     if node is None:
         raise CompressError(f"{path} is empty: a recipe needs model, stages and output")
     try:

@@ -12,7 +12,7 @@ from compress.run.runner import run_recipe
 from conftest import CALIB_TEXT, EVAL_TEXT
 
 CALIBRATION = {"path": CALIB_TEXT, "samples": 32, "seq_len": 256}
-EVALUATION = {"text": EVAL_TEXT, "ctx": 256, "max_tokens": 4096}
+EVALUATION = {"text": EVAL_TEXT, "ctx": 256, "max_tokens": 2048}
 _KLD: dict[tuple, float] = {}  # each run once, shared by the tests of this module
 
 
@@ -39,7 +39,8 @@ def test_gptq_at_most_0_6x_rtn_at_w3_g64(kld):
 
 
 def test_awq_below_rtn_at_w4_g64(kld):
-    rtn, awq = kld("rtn", bits=4, group_size=64), kld("awq", bits=4, group_size=64)
+    rtn = kld("rtn", bits=4, group_size=64)
+    awq = kld("awq", bits=4, group_size=64, n_grid=10, clip_grid=10)  # half the default grids: half the time
     assert awq < rtn, f"AWQ KLD {awq:.5f} vs RTN {rtn:.5f}"
 
 
@@ -53,6 +54,7 @@ def test_gptq_in_the_k_quant_grid_below_importance_weighted_rounding(smollm2_6, 
     grid against ggml's importance-weighted rounding from an imatrix of the same calibration windows (which
     writes llama-quantize --imatrix's bytes), both scored by dequantizing."""
     from compress.checkpoints.calibration import CalibrationSpec
+    from compress.engine.methods.gguf import GGUFGPTQMethodConfig
     from compress.eval.report import GGUFBackend, Protocol, evaluate_outputs
     from compress.export.calibrated import export_calibrated
     from compress.export.gguf import ExportConfig, GGUFMethod, export_gguf
@@ -64,7 +66,8 @@ def test_gptq_in_the_k_quant_grid_below_importance_weighted_rounding(smollm2_6, 
     run_imatrix(ImatrixConfig(smollm2_6, CALIB_TEXT, imatrix, calibration.samples, calibration.seq_len))
     weighted, solved = tmp_path / "imatrix-q4_k.gguf", tmp_path / "gptq-q4_k.gguf"
     export_gguf(ExportConfig(smollm2_6, weighted, Target.q4_k, imatrix=imatrix))
-    export_calibrated(ExportConfig(smollm2_6, solved, Target.q4_k), GGUFMethod.gptq, calibration)
+    # the output layer (49152 x 576, tied) is left to plain rounding in both files: the blocks are compared
+    export_calibrated(ExportConfig(smollm2_6, solved, Target.q4_k), GGUFMethod.gptq, calibration, gptq=GGUFGPTQMethodConfig(output_layer=False))
     protocol = Protocol(EVAL_TEXT, ctx=EVALUATION["ctx"], max_tokens=EVALUATION["max_tokens"])
     rows = evaluate_outputs([weighted, solved], smollm2_6, protocol, GGUFBackend.DEQUANTIZE).rows
     assert rows[1].kld < rows[0].kld, f"GPTQ q4_k KLD {rows[1].kld:.5f} vs imatrix {rows[0].kld:.5f}"

@@ -130,3 +130,26 @@ def test_smollm2_conversion_agrees_with_llama_cpp_on_the_original_file(smollm2, 
     theirs = llamacpp_perplexity(smollm2_gguf(), ids, ctx=512)
     assert ours < 60, ours  # a trained model on English verse (a random one: ~49152)
     assert abs(theirs / ours - 1) < 0.01, (theirs, ours)
+
+
+def test_lying_gguf_headers_are_one_line_errors(reference_gguf, tmp_path):
+    """Counts, string lengths and versions that lie, and random byte flips in the header and tensor infos:
+    every one converts (a harmless flip) or is a CompressError, never another exception or a huge allocation."""
+    import random
+    import struct
+
+    source = reference_gguf.read_bytes()
+    patches = [(8, struct.pack("<Q", 1 << 40)), (16, struct.pack("<Q", 1 << 40)), (24, struct.pack("<Q", 1 << 50)), (4, struct.pack("<I", 99))]
+    rng = random.Random(0)
+    patches += [(pos, bytes([rng.randrange(256)])) for pos in sorted(rng.sample(range(24, 40000), 12))]
+    outcomes = {"error": 0, "converted": 0}
+    for pos, patch in patches:
+        broken = tmp_path / "broken.gguf"
+        broken.write_bytes(source[:pos] + patch + source[pos + len(patch):])
+        try:
+            convert_gguf(broken, tmp_path / "out", overwrite=True)
+            outcomes["converted"] += 1
+        except CompressError as exc:
+            assert "\n" not in str(exc) and "broken.gguf" in str(exc)
+            outcomes["error"] += 1
+    assert outcomes["error"] >= 4  # at least the four lies
