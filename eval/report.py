@@ -32,6 +32,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from compress.checkpoints.gguf_source import is_gguf_file
 from compress.errors import CompressError
 from compress.eval.llama_cpp_worker import LlamaCppCrash, LlamaCppModel
 from compress.eval.llama_cpp_worker import available as llama_cpp_available
@@ -219,13 +220,6 @@ def load_gguf_dequantized(path: Path, baseline_path: Path, device: torch.device)
     return model.to(device).eval()
 
 
-def is_gguf(path: Path) -> bool:
-    if not path.is_file():
-        return False
-    with path.open("rb") as f:
-        return f.read(4) == b"GGUF"
-
-
 def make_row(path: Path, result, evaluator: Evaluator | None = None, fig: dict[str, Any] | None = None) -> Row:
     """The report row of ``path`` from its `EvalResult` (with a reference) under the report's protocol."""
     fig = fig or (gguf_figures(path) if path.is_file() else checkpoint_figures(path))
@@ -250,7 +244,7 @@ def tokenize(baseline: Path, protocol: Protocol) -> torch.Tensor:
 def _check_output(path: Path) -> None:
     if not path.exists():
         raise CompressError(f"output {path} does not exist: give checkpoint directories or .gguf files")
-    if path.is_file() and not is_gguf(path):
+    if path.is_file() and not is_gguf_file(path):
         raise CompressError(f"{path} is a file but not GGUF: give checkpoint directories or .gguf files")
 
 

@@ -130,7 +130,8 @@ def convert_gguf(
     skeleton = _skeleton(config)
     processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=parsed["config"])
     names = get_gguf_hf_weights_map(skeleton, processor)
-    expected = set(skeleton.state_dict())
+    shapes = {name: tuple(p.shape) for name, p in skeleton.state_dict().items()}  # once: meta tensors, no data
+    expected = set(shapes)
     if getattr(config, "tie_word_embeddings", False):
         expected.discard("lm_head.weight")
     written, types, parameters = set(), {}, 0
@@ -147,7 +148,7 @@ def convert_gguf(
                 continue
             hf_name = names[result.name]
             value = torch.from_numpy(np.require(result.weights, requirements=["C", "W"])).to(dtype.torch)
-            shape = tuple(skeleton.state_dict()[hf_name].shape) if hf_name in expected else None
+            shape = shapes.get(hf_name)
             if shape is not None and tuple(value.shape) != shape:
                 raise CompressError(f"{source.name}: {tensor.name} has shape {tuple(value.shape)} but the config gives {hf_name} {shape}: the file is inconsistent")
             writer.add(hf_name, value)

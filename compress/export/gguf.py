@@ -25,6 +25,7 @@ import enum
 import json
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
@@ -272,9 +273,7 @@ def export_gguf(
             if progress:
                 progress("writing tensors", i + 1, len(entries))
     if result.fallbacks:  # as llama-quantize's "tensor cols N are not divisible by M, falling back"
-        counts: dict[str, int] = {}
-        for f in result.fallbacks:
-            counts[f"{f['planned']}→{f['written']}"] = counts.get(f"{f['planned']}→{f['written']}", 0) + 1
+        counts = Counter(f"{f['planned']}→{f['written']}" for f in result.fallbacks)
         result.notes.append(f"{len(result.fallbacks)} tensors fell back (row length not a multiple of the type's block, "
                             f"as llama.cpp does): " + ", ".join(f"{n} {k}" for k, n in sorted(counts.items())))
     result.file_bytes = out.stat().st_size
