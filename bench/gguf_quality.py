@@ -1,6 +1,6 @@
 """Quality of our GGUF export methods next to llama.cpp's quantizer, per type, on one model.
 
-    python bench/gguf_quality.py [--model eval/assets/reference-llama] [--types q4_k q3_k q2_k]
+    python bench/gguf_quality.py [--model eval/assets/reference-llama] [--types q4_k q3_k q2_k iq4_xs ...]
         [--methods llama.cpp llama.cpp+imatrix rtn imatrix gptq awq awq-gptq] [--samples 64] [--seq-len 512]
         [--calib eval/assets/shakespeare-calib-slice.txt] [--text eval/assets/shakespeare-test-slice.txt]
         [--rounded-input] [--workdir DIR] [--json PATH]
@@ -21,6 +21,8 @@ values (the baseline stays the original model).
 Every file, and the F16 one as a reference, is scored by `evaluate_outputs` with llama.cpp on the held-out
 text: windows of ``ctx`` 512 tokens (HF tokenizer, no BOS), perplexity and mean KL(HF model || GGUF).
 Bits per weight are those of the ``blk.*`` matrices as stored (``gguf_figures``); the size is the file's.
+Under the table, per type, each of our methods' KLD as a ratio to llama.cpp + imatrix's (the issue-22 target:
+ours GPTQ ≤ 0.8×).
 """
 
 from __future__ import annotations
@@ -132,6 +134,18 @@ def markdown(rows: list[dict], baseline: dict) -> str:
     return "\n".join(lines)
 
 
+def ratios(rows: list[dict]) -> list[str]:
+    """Per type: each of our methods' mean KLD over llama.cpp + imatrix's, the anchor of the same run."""
+    lines = []
+    for kind in dict.fromkeys(r["type"] for r in rows):
+        anchor = next((r["kld"] for r in rows if r["type"] == kind and r["method"] == LABELS["llama.cpp+imatrix"]), None)
+        if not anchor:
+            continue
+        parts = [f"{r['method']} {r['kld'] / anchor:.2f}x" for r in rows if r["type"] == kind and r["method"].startswith("ours")]
+        lines.append(f"{kind}: KLD vs llama.cpp + imatrix: " + ", ".join(parts))
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=ASSETS / "reference-llama")
@@ -161,6 +175,8 @@ def main() -> None:
         summary = score(rows, args.model, args.text, args.ctx)
     print(f"\nllama.cpp quantized the F16 GGUF; ours read {'a float16-rounded copy' if args.rounded_input else 'the checkpoint weights'}")
     print(markdown(rows, summary["baseline"]))
+    for line in ratios(rows):
+        print(line)
     for note in notes:
         print(f"\nnote: {note}")
     if args.json:

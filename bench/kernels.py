@@ -97,7 +97,7 @@ def bench_gguf(copy_gbs: float) -> None:
     print("| type | ms | GB/s | % of copy |")
     print("|---|---:|---:|---:|")
     for block in GGUFBlock:
-        elems, size = block.value
+        elems, size = block.elems, block.size
         n_blocks = 4096 * 4096 // elems
         data = torch.from_numpy(np.random.default_rng(0).integers(0, 256, n_blocks * size, dtype=np.uint8)).cuda()
         ms = do_bench(lambda: dequantize(data, block), warmup=25, rep=200)

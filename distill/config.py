@@ -24,9 +24,16 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from compress.distill.loss import DraftLoss
+
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid")
+
+
+class Objective(str, enum.Enum):
+    kd = "kd"  # the teacher's distribution on the training text, α·τ²·KL + (1−α)·CE (Hinton)
+    draft = "draft"  # agree with the teacher on sequences it generates itself, by `draft_loss` (DistillSpec)
 
 
 class Precision(str, enum.Enum):
@@ -84,6 +91,18 @@ class DistillSpec(_Strict):
     resume: bool = False
     seed: int = 0
     eval_max_tokens: int | None = Field(None, ge=2, description="ppl before/after on the first N tokens only")
+    objective: Objective = Field(Objective.kd, description="kd: the teacher's distribution on the text; draft: on its own generations")
+    draft_loss: DraftLoss = Field(DraftLoss.tv, description="draft objective: tv (total variation, 1 − acceptance) or kl (forward KL)")
+    draft_temperature: float = Field(1.0, ge=0, description="draft objective: the serving temperature the teacher samples at (0: greedy)")
+    draft_prompts: int = Field(256, ge=1, description="draft objective: prompts cut from the data for the teacher to continue")
+    draft_prompt_tokens: int = Field(32, ge=1, description="draft objective: tokens per prompt (the rest of seq_len is generated)")
+    draft_cache: Path | None = Field(None, description="draft objective: where the teacher's sequences are kept (default: OUTPUT-draft-data)")
+
+    @model_validator(mode="after")
+    def _draft_fits(self) -> "DistillSpec":
+        if self.objective is Objective.draft and self.draft_prompt_tokens >= self.seq_len:
+            raise ValueError(f"draft_prompt_tokens {self.draft_prompt_tokens} leaves nothing to generate in seq_len {self.seq_len}")
+        return self
 
     def global_batch(self, processes: int) -> int:
         return self.batch_size * self.grad_accum * processes

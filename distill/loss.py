@@ -21,6 +21,7 @@ Memory. Tokens are processed ``chunk_tokens`` at a time, and each chunk's loss i
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -101,3 +102,54 @@ def distillation_loss(
     kd, ce = kl_sum / n, ce_sum / n
     total = alpha * tau * tau * kd + (1.0 - alpha) * ce
     return LossParts(total=total, kd=kd.detach(), ce=ce.detach(), tokens=n)
+
+
+class DraftLoss(str, enum.Enum):
+    """How a draft model's next-token distribution is pulled towards its target's (DistillSpec, Zhou et al.
+    2024, arXiv:2310.08461): total variation is exactly 1 − the acceptance rate of speculative sampling."""
+
+    tv = "tv"  # TV(p, q) = ½ Σ |p − q|
+    kl = "kl"  # forward KL(p_teacher ‖ q_student)
+
+
+def _draft_chunk_sums(s, t, labels, s_head, t_head, tau: float, kind: DraftLoss) -> tuple[torch.Tensor, torch.Tensor]:
+    """Summed divergence (``kind``, at temperature τ) and summed CE over one chunk of tokens."""
+    s_logits = (F.linear(s, s_head) if s_head is not None else s).float()
+    with torch.no_grad():
+        t_logp = F.log_softmax((F.linear(t, t_head) if t_head is not None else t).float() / tau, dim=-1)
+    s_logp = F.log_softmax(s_logits / tau, dim=-1)
+    if kind is DraftLoss.tv:
+        divergence = 0.5 * (t_logp.exp() - s_logp.exp()).abs().sum()
+    else:
+        divergence = (t_logp.exp() * (t_logp - s_logp)).sum()
+    return divergence, F.cross_entropy(s_logits, labels, reduction="sum")
+
+
+def draft_loss(
+    student: torch.Tensor,
+    teacher: torch.Tensor,
+    labels: torch.Tensor,
+    kind: DraftLoss = DraftLoss.tv,
+    tau: float = 1.0,
+    chunk_tokens: int = 1024,
+    student_head: torch.Tensor | None = None,
+    teacher_head: torch.Tensor | None = None,
+) -> LossParts:
+    """Mean ``kind`` divergence between the teacher's and the student's distributions at temperature τ
+    (the whole loss: the labels are the teacher's own samples, so CE is only logged). Shapes as
+    `distillation_loss`; ``kd`` holds the divergence."""
+    if tau <= 0:
+        raise CompressError(f"temperature tau={tau} must be positive")
+    if student.dim() != 2 or teacher.dim() != 2 or not student.shape[0] == teacher.shape[0] == labels.shape[0]:
+        raise CompressError("draft_loss takes student/teacher [N, V or H] and labels [N] with one N")
+    n = labels.shape[0]
+    div_sum = student.new_zeros((), dtype=torch.float32)
+    ce_sum = student.new_zeros((), dtype=torch.float32)
+    needs_grad = torch.is_grad_enabled() and (student.requires_grad or (student_head is not None and student_head.requires_grad))
+    for lo in range(0, n, chunk_tokens):
+        args = (student[lo : lo + chunk_tokens], teacher[lo : lo + chunk_tokens], labels[lo : lo + chunk_tokens],
+                student_head, teacher_head, tau, kind)
+        div, ce = checkpoint(_draft_chunk_sums, *args, use_reentrant=False) if needs_grad else _draft_chunk_sums(*args)
+        div_sum, ce_sum = div_sum + div, ce_sum + ce
+    total = div_sum / n
+    return LossParts(total=total, kd=total.detach(), ce=(ce_sum / n).detach(), tokens=n)

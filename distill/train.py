@@ -29,8 +29,8 @@ from typing import Callable
 import torch
 from torch import nn
 
-from compress.distill.config import DistillSpec, Precision
-from compress.distill.loss import distillation_loss
+from compress.distill.config import DistillSpec, Objective, Precision
+from compress.distill.loss import distillation_loss, draft_loss
 from compress.distill.student import apply_masks
 from compress.errors import CompressError
 
@@ -38,7 +38,8 @@ log = logging.getLogger(__name__)
 
 # Settings that must not change between a run and its resumption (they define the trajectory).
 TRAJECTORY_KEYS = ("tau", "alpha", "steps", "batch_size", "grad_accum", "seq_len", "lr", "warmup_steps",
-                   "min_lr_ratio", "weight_decay", "max_grad_norm", "precision", "seed")
+                   "min_lr_ratio", "weight_decay", "max_grad_norm", "precision", "seed", "objective", "draft_loss",
+                   "draft_temperature", "draft_prompts", "draft_prompt_tokens")
 
 
 @dataclass
@@ -208,7 +209,11 @@ def train(
                 with torch.no_grad():
                     t_out, t_head = teacher_fn(ids)
                 s_out, s_head = wrapped(ids)
-                parts = distillation_loss(_flat(s_out), _flat(t_out), labels, cfg.tau, cfg.alpha, cfg.chunk_tokens, s_head, t_head)
+                if cfg.objective is Objective.draft:  # compared at the serving temperature (greedy serving: at 1)
+                    parts = draft_loss(_flat(s_out), _flat(t_out), labels, cfg.draft_loss, cfg.draft_temperature or 1.0,
+                                       cfg.chunk_tokens, s_head, t_head)
+                else:
+                    parts = distillation_loss(_flat(s_out), _flat(t_out), labels, cfg.tau, cfg.alpha, cfg.chunk_tokens, s_head, t_head)
             if last:
                 accelerator.backward(parts.total / cfg.grad_accum)
             else:

@@ -25,7 +25,7 @@ from typing import Sequence
 import torch
 from torch import nn
 
-from compress.checkpoints.architecture import fold_scales, is_linear, resolve_groups
+from compress.checkpoints.architecture import resolve_groups
 from compress.checkpoints.model_io import find_decoder_blocks
 
 
@@ -34,7 +34,7 @@ REFERENCE_OUTLIER_CHANNELS = (56, 98, 132, 192)
 
 def _norms(model: nn.Module) -> list[nn.Module]:
     _, blocks = find_decoder_blocks(model, getattr(model.config, "num_hidden_layers", None))
-    return [prev for block in blocks for _, prev, _ in resolve_groups(block, model.config.model_type) if not is_linear(prev)]
+    return [g.prev for block in blocks for g in resolve_groups(block, model.config.model_type) if g.from_norm]
 
 
 @torch.no_grad()
@@ -61,12 +61,12 @@ def inject_outliers(model: nn.Module, channels: Sequence[int], factor: float = 5
     """
     _, blocks = find_decoder_blocks(model, getattr(model.config, "num_hidden_layers", None))
     for block in blocks:
-        for _group, prev, layers in resolve_groups(block, model.config.model_type):
-            if is_linear(prev):
+        for group in resolve_groups(block, model.config.model_type):
+            if not group.from_norm:
                 continue  # only norm outputs: the residual-stream channels where real outliers live
-            scales = torch.ones(prev.weight.shape[0])
+            scales = torch.ones(group.prev.weight.shape[0])
             scales[list(channels)] = 1.0 / factor
-            fold_scales(prev, layers, scales)
+            group.fold(scales)
     return model
 
 

@@ -69,6 +69,7 @@ class EvalResult:
     kld: float | None = None  # mean per-token KLD vs the reference, when one was given
     kld_p99: float | None = None  # 99th percentile of the per-token KLD
     ref_perplexity: float | None = None  # the reference's perplexity on the same tokens
+    kv_cache: str | None = None  # the KV-cache format simulated in the model's attention (eval.kv_cache), if any
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -34,6 +34,8 @@ import torch
 
 from compress.checkpoints.gguf_source import is_gguf_file
 from compress.errors import CompressError
+from compress.eval.kv_cache import NONE as KV_NONE
+from compress.eval.kv_cache import kv_cache_context, parse_kv_cache, resolve_kv_cache
 from compress.eval.llama_cpp_worker import LlamaCppCrash, LlamaCppModel
 from compress.eval.llama_cpp_worker import available as llama_cpp_available
 
@@ -63,6 +65,7 @@ class Protocol:
     batch_size: int = 8
     max_tokens: int | None = None
     device: str = "cpu"
+    kv_cache: str | None = None  # a KV-cache format simulated in every output (not the baseline); None: each one's own
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "text": str(self.text), "stride": self.stride or self.ctx}
@@ -106,7 +109,7 @@ def describe_record(record: dict | None) -> str:
     for stage in (record or {}).get("stages", []):
         text = stage.get("method", "?")
         if stage.get("bits") is not None:
-            text += f" w{stage['bits']}"
+            text += f" {stage['grid']}" if stage.get("grid") else f" w{stage['bits']}"  # float grids: fp8, nvfp4, mxfp4
             if stage.get("group_size") is not None:
                 text += " per-chan" if stage["group_size"] == -1 else f" g{stage['group_size']}"
             if stage.get("symmetric") is False:
@@ -126,6 +129,7 @@ def nominal_bits(record: dict | None) -> float | None:
         if bits is None or group is None:
             continue
         per_group = 16 + (0 if stage.get("symmetric", True) else bits)
+        per_group = {"fp8": 32, "nvfp4": 8, "mxfp4": 8}.get(stage.get("grid"), per_group)  # float32 / E4M3 / E8M0 scales
         return float(bits) + (per_group / group if group > 0 else 0.0)
     return None
 
@@ -263,6 +267,10 @@ def evaluate_outputs(
 
     for path in outputs:
         _check_output(path)
+    kv_format = parse_kv_cache(protocol.kv_cache)
+    kv_simulated = kv_format not in (None, KV_NONE)  # in PyTorch: GGUF files are then dequantized, not run by llama.cpp
+    if kv_simulated and gguf_backend == GGUFBackend.LLAMA_CPP:
+        raise CompressError("--kv-cache is simulated in PyTorch, not in llama.cpp: use --gguf-backend dequantize (or auto)")
     if gguf_backend == GGUFBackend.LLAMA_CPP and not llama_cpp_available():
         raise CompressError("--gguf-backend llama-cpp needs llama-cpp-python: pip install llama-cpp-python, or use dequantize")
     device = resolve_device(protocol.device)
@@ -274,8 +282,13 @@ def evaluate_outputs(
     def on_batch(label):
         return (lambda d, t: progress(label, d, t)) if progress else None
 
-    def score(model, path: Path):
-        return evaluate(model, tokens, reference=reference, on_batch=on_batch(path.name), **kwargs)
+    def score(model, path: Path, checkpoint: Path | None = None, simulate: bool = True):
+        """``checkpoint``: where ``model`` was loaded from (its own KV-cache scales); ``simulate``: a PyTorch model."""
+        setting = resolve_kv_cache(checkpoint, model, kv_format) if simulate else None
+        with kv_cache_context(setting, model):
+            result = evaluate(model, tokens, reference=reference, on_batch=on_batch(path.name), **kwargs)
+        result.kv_cache = setting.describe() if setting is not None else None
+        return result
 
     base = evaluate(reference, tokens, on_batch=on_batch("baseline"), **kwargs)
     base_fig = checkpoint_figures(baseline)
@@ -290,12 +303,12 @@ def evaluate_outputs(
             continue
         if path.is_file():
             fig = gguf_figures(path)
-            use_cpp = gguf_backend == GGUFBackend.LLAMA_CPP or (gguf_backend == GGUFBackend.AUTO and llama_cpp_available())
+            use_cpp = gguf_backend == GGUFBackend.LLAMA_CPP or (gguf_backend == GGUFBackend.AUTO and llama_cpp_available() and not kv_simulated)
             result, evaluator = None, Evaluator.GGUF_DEQUANTIZED
             if use_cpp:
                 try:
                     with LlamaCppModel(path, protocol.ctx) as model:
-                        result, evaluator = score(model, path), Evaluator.LLAMA_CPP
+                        result, evaluator = score(model, path, simulate=False), Evaluator.LLAMA_CPP
                 except LlamaCppCrash as crash:
                     if gguf_backend == GGUFBackend.LLAMA_CPP:
                         raise
@@ -307,8 +320,10 @@ def evaluate_outputs(
             fig = checkpoint_figures(path)
             if load_tokenizer(path).get_vocab() != vocab:
                 raise CompressError(f"{path} and {baseline} have different tokenizers: KLD needs the same one")
-            result, evaluator = score(load_model(path, device), path), None
+            result, evaluator = score(load_model(path, device), path, checkpoint=path), None
         rows.append(make_row(path, result, evaluator, fig))
+        if result.kv_cache:
+            rows[-1].extra["kv_cache"] = result.kv_cache
     return Report(base_row, rows, {**protocol.to_dict(), "baseline": str(baseline), "tokens": len(tokens)})
 
 

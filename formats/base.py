@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from compress.quantizers.grid import QuantScheme
-from compress.quantizers.result import QuantResult
+from compress.quantizers.result import Grid, QuantResult
 
 
 class OutputFormat(str, enum.Enum):
@@ -33,7 +32,7 @@ class OutputFormat(str, enum.Enum):
 class PackedLayer:
     """How one packed layer was quantized: enough to write the config that describes it."""
 
-    scheme: QuantScheme
+    scheme: Grid  # an integer QuantScheme or a float grid's FloatScheme
     activations: dict[str, Any] | None = None  # the stage's record()["activations"] (W8A8), or None
     act_order: bool = False  # columns were processed out of order (the quantizer returned a g_idx)
     dynamic_groups: bool = False  # g_idx is not the identity column // group_size

@@ -13,6 +13,8 @@ Layouts, per quantized Linear ``<p>`` with weight ``[out, in]`` and ``G`` groups
   - ``<p>.weight`` int8 ``[out, in]`` (signed codes), ``<p>.weight_scale`` ``[out, 1]``, and
     ``<p>.input_scale`` ``[1]`` for static per-tensor activation scales.
 
+Float layouts (FP8 ``float-quantized``, ``nvfp4-pack-quantized``, ``mxfp4-pack-quantized``): ``ct_float.py``.
+
 Dequantization: ``w = (q − zp) · s``; with our unsigned codes ``c = q + 2^(b−1)`` and zero ``z = zp + 2^(b−1)``
 this is ``s · (c − z)``, the grid of ``compress.quantizers.grid``, so codes are stored without re-rounding.
 Our symmetric zero ``2^(b−1)`` is CT's ``zp = 0``.
@@ -28,7 +30,9 @@ import torch
 
 from compress.errors import CompressError
 from compress.formats.base import PackedLayer, PackFormat, has_trivial_g_idx
+from compress.formats import ct_float
 from compress.formats.packing import pack, packed_length, unpack
+from compress.quantizers.float_grid import FloatScheme
 from compress.quantizers.result import QuantResult
 
 PACK_QUANTIZED = "pack-quantized"
@@ -45,6 +49,7 @@ class CTLayerSpec:
     symmetric: bool
     group_size: int | None  # None: per channel
     input_activations: dict[str, Any] | None = None
+    float_scheme: FloatScheme | None = None  # float formats (ct_float): the weights' grid
 
 
 # -- writing ---------------------------------------------------------------------------------------
@@ -67,6 +72,8 @@ def weight_args(layer: PackedLayer) -> dict[str, Any]:
 def activation_args(activations: dict[str, Any] | None) -> dict[str, Any] | None:
     if not activations:
         return None
+    if activations.get("type") == "float":
+        return ct_float.activation_args(activations)
     return {
         "dynamic": bool(activations["dynamic"]),
         "num_bits": int(activations["bits"]),
@@ -101,7 +108,7 @@ class CompressedTensorsFormat(PackFormat):
     name = "compressed-tensors"
 
     def check_stage(self, record: dict[str, Any]) -> None:
-        if record.get("activations") and record.get("bits") is not None:
+        if record.get("activations") and record.get("bits") is not None and record.get("grid", "int") == "int":
             if record.get("bits") != 8 or record.get("group_size") != -1 or not record.get("symmetric", True):
                 raise CompressError(
                     f"{record.get('method')}: W8A8 (int-quantized) needs 8-bit symmetric per-channel weights: "
@@ -113,11 +120,15 @@ class CompressedTensorsFormat(PackFormat):
         if reason is None and not has_trivial_g_idx(quant):
             reason = "compressed-tensors 0.20 has no per-column group index (actorder='group' was removed)"
         s = quant.scheme
+        if isinstance(s, FloatScheme):
+            return reason
         if reason is None and activations and (s.bits != 8 or s.group_size != -1 or not s.symmetric):
             reason = "int-quantized (W8A8) stores 8-bit symmetric per-channel weights only"
         return reason
 
     def tensors(self, quant, dtype, input_scale, activations):
+        if isinstance(quant.scheme, FloatScheme):
+            return ct_float.tensors(quant, input_scale)
         if activations:
             return int_quantized_tensors(quant, dtype, input_scale)
         return pack_quantized_tensors(quant, dtype)
@@ -125,8 +136,11 @@ class CompressedTensorsFormat(PackFormat):
     def config(self, packed: dict[str, PackedLayer], dense: list[str]) -> dict[str, Any]:
         groups: dict[tuple, list[str]] = {}
         for name, layer in packed.items():
-            fmt = INT_QUANTIZED if layer.activations else PACK_QUANTIZED
-            key = (fmt, tuple(sorted(weight_args(layer).items(), key=str)), repr(activation_args(layer.activations)))
+            if isinstance(layer.scheme, FloatScheme):
+                fmt, args = ct_float.format_name(layer.scheme, layer.activations), ct_float.weight_args(layer.scheme)
+            else:
+                fmt, args = INT_QUANTIZED if layer.activations else PACK_QUANTIZED, weight_args(layer)
+            key = (fmt, tuple(sorted(args.items(), key=str)), repr(activation_args(layer.activations)))
             groups.setdefault(key, []).append(name)
         config_groups = {}
         formats = set()
@@ -180,10 +194,14 @@ def layer_specs(qc: dict[str, Any], linear_names: list[str]) -> dict[str, CTLaye
                 continue
             w = group.get("weights") or {}
             fmt = group.get("format") or qc.get("format")
+            if fmt in ct_float.FORMATS and w.get("type") == "float":
+                scheme = ct_float.scheme_from_args(name, w)
+                specs[name] = CTLayerSpec(fmt, scheme.bits, True, scheme.group_size, group.get("input_activations"), scheme)
+                break
             if fmt not in (PACK_QUANTIZED, INT_QUANTIZED) or w.get("type", "int") != "int":
                 raise CompressError(
                     f"compressed-tensors format {fmt!r} ({w.get('type')}) is not supported: "
-                    f"only {PACK_QUANTIZED} and {INT_QUANTIZED} int weights are"
+                    f"only {PACK_QUANTIZED} and {INT_QUANTIZED} int weights and {', '.join(ct_float.FORMATS)} float ones are"
                 )
             group_size = w.get("group_size") if w.get("strategy") == "group" else None
             specs[name] = CTLayerSpec(fmt, int(w["num_bits"]), bool(w.get("symmetric", True)), group_size, group.get("input_activations"))
@@ -203,6 +221,8 @@ def _expect(prefix: str, tensors: dict[str, torch.Tensor], key: str, dtype: torc
 
 def validate(prefix: str, tensors: dict[str, torch.Tensor], spec: CTLayerSpec, out_features: int, in_features: int) -> None:
     """Check one layer's stored tensors against the model's shape and the config: `CompressError` if off."""
+    if spec.float_scheme is not None:
+        return ct_float.validate(prefix, tensors, spec.float_scheme, out_features, in_features)
     groups = 1 if spec.group_size is None else in_features // spec.group_size
     if spec.group_size is not None and (spec.group_size < 1 or in_features % spec.group_size):
         raise CompressError(f"{prefix}: group size {spec.group_size} does not divide in_features {in_features}: the config is corrupt")

@@ -74,6 +74,8 @@ class GPTQFormat(PackFormat):
 
     def check_stage(self, record: dict[str, Any]) -> None:
         method = record.get("method")
+        if record.get("grid", "int") != "int":
+            raise CompressError(f"{method}: the gptq format stores integer grids, not {record['grid']}: use --format compressed-tensors")
         if record.get("activations"):
             raise CompressError(f"{method}: the gptq format stores weight-only quantization: use --format compressed-tensors for W8A8")
         bits = record.get("bits")

@@ -1,5 +1,5 @@
-"""Which kernel a `QuantLinear` forward uses: CUDA input -> Triton (or the CUDA C++ dequant); CPU -> the torch
-reference. ``COMPRESS_KERNEL`` (`KernelBackend` value) overrides the choice; layers no kernel covers
+"""Which kernel a `QuantLinear` forward uses: CUDA input -> Triton (or the CUDA C++ dequant; float layouts:
+Triton only); CPU -> the torch reference. ``COMPRESS_KERNEL`` (`KernelBackend` value) overrides the choice; layers no kernel covers
 (W8A8, 3-bit, unknown layouts) keep the reference. Every path dequantizes to the same bits (layouts.py).
 """
 
@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from compress.errors import CompressError
-from compress.kernels.layouts import GroupPacked, describe_layer
+from compress.kernels.layouts import FloatPacked, GroupPacked, describe_layer
 
 log = logging.getLogger(__name__)
 
@@ -36,7 +36,7 @@ def backend() -> KernelBackend:
     return KernelBackend.TRITON if importlib.util.find_spec("triton") else KernelBackend.CUDA
 
 
-def _descriptor(layer) -> GroupPacked | None:
+def _descriptor(layer) -> GroupPacked | FloatPacked | None:
     """`describe_layer`, cached on the layer for its current buffers (the g_idx check syncs the GPU)."""
     key = tuple((t.data_ptr(), t.device) for t in layer.packed_tensors().values())
     cached = layer.__dict__.get("_kernel_descriptor")
@@ -54,6 +54,12 @@ def kernel_forward(layer, x: torch.Tensor) -> torch.Tensor | None:
     desc = _descriptor(layer)
     if desc is None or desc.device != x.device:
         return None
+    if isinstance(desc, FloatPacked):  # float layouts: Triton only
+        if choice is not KernelBackend.TRITON:
+            return None
+        from compress.kernels import triton_float
+
+        return triton_float.matmul(x, desc, layer.bias)
     if choice is KernelBackend.TRITON:
         from compress.kernels import triton_int
 

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 
 import torch
 
+from compress.quantizers.float_grid import FloatGrid
+
 KERNEL_BITS = (2, 4, 8)
 
 
@@ -89,16 +91,56 @@ def describe_gptq(tensors: dict[str, torch.Tensor], bits: int, group_size: int |
     )
 
 
-def describe_layer(layer) -> GroupPacked | None:
-    """The `GroupPacked` view of a `QuantLinear`'s buffers, or None when no kernel covers it (W8A8,
-    3-bit, an unknown dequantizer): those layers keep the torch reference."""
+@dataclass(frozen=True)
+class FloatPacked:
+    """A float-quantized weight (``formats/ct_float.py``) for ``kernels/triton_float.py``: FP8 bytes ``[N, K]``
+    with float32 scales per ``row_block × col_block`` tile, or FP4 nibbles ``[N, K/2]`` with E4M3 (NVFP4, and
+    its float32 ``global_scale``) or E8M0 (MXFP4) scale bytes ``[N, K/col_block]``."""
+
+    grid: FloatGrid
+    codes: torch.Tensor
+    scales: torch.Tensor
+    global_scale: torch.Tensor | None
+    row_block: int
+    col_block: int
+    out_features: int
+    in_features: int
+
+    @property
+    def device(self) -> torch.device:
+        return self.codes.device
+
+
+def describe_float(tensors: dict[str, torch.Tensor], grid: FloatGrid, block: tuple[int, int] | None = None) -> FloatPacked:
+    """The `FloatPacked` view of a float layout's tensors (``block``: an FP8 block layout's ``[bh, bw]``)."""
+    scales = tensors["weight_scale"]
+    if grid is FloatGrid.FP8:
+        codes = tensors["weight"]
+        out_features, in_features = codes.shape
+        rows, cols = scales.reshape(-1, scales.shape[-1]).shape
+        row_block, col_block = block if block is not None else (out_features // rows, in_features // cols)
+        return FloatPacked(grid, codes, scales, None, row_block, col_block, out_features, in_features)
+    codes = tensors["weight_packed"]
+    out_features, in_features = codes.shape[0], codes.shape[1] * 2
+    return FloatPacked(grid, codes, scales, tensors.get("weight_global_scale"), 1, in_features // scales.shape[1],
+                       out_features, in_features)
+
+
+def describe_layer(layer) -> GroupPacked | FloatPacked | None:
+    """The `GroupPacked` (or `FloatPacked`) view of a `QuantLinear`'s buffers, or None when no kernel covers
+    it (W8A8 and other activation-quantizing layers, 3-bit, an unknown dequantizer): those keep the torch reference."""
     from compress.formats import compressed_tensors as ct
+    from compress.formats import ct_float
     from compress.formats import gptq
 
     deq = layer._dequantize
     if layer.activations is not None or not isinstance(deq, functools.partial):
         return None
     tensors, kw = layer.packed_tensors(), deq.keywords
+    if deq.func is ct_float.dequantize_fp8:
+        return describe_float(tensors, FloatGrid.FP8, kw.get("block"))
+    if deq.func is ct_float.dequantize_fp4:
+        return describe_float(tensors, kw["grid"])
     if deq.func is ct.dequantize_pack_quantized:
         return describe_pack_quantized(tensors, kw["bits"], kw["symmetric"])
     if deq.func is gptq.dequantize:

@@ -33,8 +33,8 @@ class QuantLinear(nn.Module):
         activations=None,
         layout: str = "",
     ):
-        """``dequantize(tensors) -> [out, in]``; ``activations`` an `ActivationScheme` (W8A8) or None;
-        a static scheme reads its scale from the ``input_scale`` tensor."""
+        """``dequantize(tensors) -> [out, in]``; ``activations`` an `ActivationScheme` (W8A8, FP8, W4A4) or None;
+        a static scheme reads its scale from the ``input_scale`` (NVFP4: ``input_global_scale``) tensor."""
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.layout = layout
@@ -57,7 +57,8 @@ class QuantLinear(nn.Module):
         if self.activations is not None:
             from compress.quantizers.activations import quantize_activations
 
-            x = quantize_activations(x, self.activations, getattr(self, "input_scale", None))
+            static = getattr(self, "input_scale", getattr(self, "input_global_scale", None))  # NVFP4: the global scale
+            x = quantize_activations(x, self.activations, static)
         elif x.is_cuda:  # GPU: a Triton / CUDA kernel where one covers the layout (kernels/dispatch.py)
             from compress.kernels.dispatch import kernel_forward
 

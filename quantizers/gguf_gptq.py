@@ -5,15 +5,19 @@ formats (``ggml-quants.c``) in place of GPTQ's per-group min-max grid.
 
 Objective: as `compress.quantizers.gptq`, ``min ‖WX − QX‖² = (n/2)·tr((W − Q) H (W − Q)ᵀ)`` with
 ``H = 2/n·XXᵀ``, but ``Q`` must be what a GGUF type stores: per block of B consecutive columns of a row
-(B = 32 for Q4_0/Q5_0/Q8_0..., 256 for the k-quants) one grid, for the k-quants a super-block's
-float16 ``d``/``dmin`` with 6-bit (or 4-bit) sub-block scales and mins, and integer codes.
+(B = 32 for Q4_0/Q5_0/Q8_0/IQ4_NL..., 256 for the k-quants and IQ4_XS) one grid, for the k-quants a
+super-block's float16 ``d``/``dmin`` with 6-bit (or 4-bit) sub-block scales and mins, and integer codes;
+for IQ4_NL/IQ4_XS the codes index a non-uniform codebook (``grids.BlockGrid.levels``); IQ3_S codes a group
+of 4 weights by one point of a 512-point grid, with free signs (``grids.LatticeGrid``).
 
 Procedure: columns are quantized in order with GPTQ's Cholesky error feedback and lazy batches (the
 batch is a whole number of blocks). When a block's first column is reached, its grid is fitted by the
 type's own encoder (`compress.formats.gguf.grids.fit`) to the block's columns as they are then (every
 earlier error fed back), with ``diag(H)`` (each column's mean squared input, what llama.cpp's imatrix
 holds) as the importance of ggml's weighted fit (``weighted_fit``) or ggml's plain fit. Each column is
-then rounded to the nearest code of its grid, and its error spread over the columns not yet quantized.
+then rounded to the nearest code of its grid (the nearest codebook level, for the non-uniform types),
+and its error spread over the columns not yet quantized; for a lattice type the group's columns are
+rounded jointly to one grid point (`_round_lattice_block`), then their errors spread column by column.
 The grids and codes are packed into the type's bytes; the result's weight is the decode of those bytes.
 
 Shapes: ``weight [out, in]`` (``in`` a multiple of B), ``hessian [in, in]``; ``data [out, row_bytes]``
@@ -73,18 +77,55 @@ def _round_block(W1: torch.Tensor, Err1: torch.Tensor, U1: torch.Tensor, b: int,
     was tried: no consistent gain, Q2_K and Q4_K got worse.)"""
     step, offset = torch.from_numpy(grid.step), torch.from_numpy(grid.offset)
     safe_step = torch.where(step == 0, torch.ones_like(step), step)
+    levels = None if grid.levels is None else torch.from_numpy(grid.levels)
+    bounds = None if levels is None else torch.from_numpy(grids.midpoints(grid.levels))
     rows, B = step.shape
     codes = torch.empty(rows, B, dtype=torch.int32)
     for c in range(B):
         i = b + c
         w = W1[:, i]
-        q = torch.round((w + offset[:, c]) / safe_step[:, c]).clamp(grid.lo, grid.hi)
-        q = torch.where(step[:, c] == 0, torch.full_like(q, grid.lo), q)
-        err = (w - (step[:, c] * q - offset[:, c])) / U1[i, i]
+        t = (w + offset[:, c]) / safe_step[:, c]
+        if levels is None:  # affine grid: the code is the level
+            q = torch.round(t).clamp(grid.lo, grid.hi)
+            q = torch.where(step[:, c] == 0, torch.full_like(q, grid.lo), q)
+            level = q
+        else:  # codebook: the nearest level (ties up, as ggml), any code where the step is 0; a compare and
+            # sum, not torch.bucketize: on a busy 2-core machine its threaded kernel was 80x slower
+            index = (t[:, None] >= bounds).sum(dim=1)
+            q, level = index + grid.lo, levels[index]
+        err = (w - (step[:, c] * level - offset[:, c])) / U1[i, i]
         W1[:, i + 1 :] -= err[:, None] * U1[i, i + 1 :]
         Err1[:, i] = err
         codes[:, c] = q.to(torch.int32)
     return codes
+
+
+def _round_lattice_block(W1: torch.Tensor, Err1: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.LatticeGrid):
+    """`_round_block` for a lattice type: each group of ``grid.group`` columns is rounded jointly (every
+    row's signs are its weights', its point the codebook entry nearest ``|w|/step`` with each column's
+    distance weighted by ``1/U_ii²``, GPTQ's weight of a column's error), then the group's columns feed their
+    errors forward one by one. Returns (points ``[rows, B/group]``, negative ``[rows, B]``)."""
+    step, points = torch.from_numpy(grid.step), torch.from_numpy(grid.points)
+    rows, B = step.shape
+    g = grid.group
+    chosen = torch.empty(rows, B // g, dtype=torch.int64)
+    negative = torch.empty(rows, B, dtype=torch.bool)
+    for k in range(B // g):
+        cols = slice(b + k * g, b + (k + 1) * g)
+        w, s = W1[:, cols], step[:, k * g : (k + 1) * g]
+        magnitude = torch.where(s > 0, w.abs() / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
+        omega = torch.diagonal(U1)[cols].square().reciprocal()
+        # Σ ω (m − p)² up to the rows' constant Σ ω m²: [rows, P]
+        dist = (omega * points.square()).sum(dim=1)[None, :] - 2 * (magnitude * omega) @ points.T
+        chosen[:, k] = dist.argmin(dim=1)
+        negative[:, cols.start - b : cols.stop - b] = w < 0
+        q = (s * points[chosen[:, k]]) * torch.where(w < 0, -1.0, 1.0)
+        for c in range(g):
+            i = cols.start + c
+            err = (W1[:, i] - q[:, c]) / U1[i, i]
+            W1[:, i + 1 :] -= err[:, None] * U1[i, i + 1 :]
+            Err1[:, i] = err
+    return chosen.numpy(), negative.numpy()
 
 
 def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfig) -> GGUFQuantResult:
@@ -119,7 +160,10 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
         for b in range(0, i2 - i1, B):
             qw = None if importance is None else np.broadcast_to(importance[i1 + b : i1 + b + B], (rows, B))
             grid = grids.fit(kind, W1[:, b : b + B].numpy(), qw, row_sigma2)
-            blocks.append(grids.pack(grid, _round_block(W1, Err1, U1, b, grid).numpy()))
+            if isinstance(grid, grids.LatticeGrid):
+                blocks.append(grids.pack_lattice(grid, *_round_lattice_block(W1, Err1, U1, b, grid)))
+            else:
+                blocks.append(grids.pack(grid, _round_block(W1, Err1, U1, b, grid).numpy()))
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
 
     data = np.concatenate(blocks, axis=1)

@@ -33,6 +33,11 @@ Options: ``act_order`` processes the columns by decreasing ``diag(H)`` (the refe
 ``desc_act``) with static groups (every group's grid fixed up front from the original ``W``);
 ``mse`` replaces min-max by the clipping search ``grid.mse_qparams``.
 
+Float grids (``float_grid``: FP8, NVFP4, MXFP4) run the same loop: each column is rounded to its group's
+float elements and the error fed back is the same. NVFP4's per-tensor global scale is fixed from ``W``
+before the loop (as llm-compressor's observer does), so later groups' E4M3 scales share it; an FP8 block
+scale is fitted from all the block's rows when its first column is reached.
+
 Shapes: ``weight [out, in]``, ``hessian [in, in]`` (symmetric positive semi-definite); the result's
 ``weight``/``codes`` are ``[out, in]``, ``scale``/``zero`` ``[out, n_groups]`` and, with act-order,
 ``g_idx [in]``. Everything runs in float32 on the inputs' device; the inputs are not modified.
@@ -44,15 +49,15 @@ from dataclasses import dataclass
 
 import torch
 
-from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, mse_qparams, quantize
-from compress.quantizers.result import QuantResult
+from compress.quantizers.grid import mse_qparams
+from compress.quantizers.result import Grid, QuantResult
 
 
 @dataclass(frozen=True)
 class GPTQConfig:
     """Settings of one GPTQ run; the defaults are those of the reference implementation."""
 
-    scheme: QuantScheme  # bits / symmetric / group_size (-1 = per output channel)
+    scheme: Grid  # integer (bits / symmetric / group_size, -1 = per output channel) or float grid
     block_size: int = 128  # lazy-batch column block (Algorithm 1)
     damp: float = 0.01  # λ = damp · mean(diag H)
     act_order: bool = False  # desc_act: process columns by decreasing diag(H), static groups
@@ -109,11 +114,12 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
     dead = torch.diagonal(H) == 0
     H.diagonal()[dead] = 1.0
     W[:, dead] = 0.0
+    scheme = scheme.fit(W)  # per-tensor parameters (NVFP4's global scale) from the weight before any update
 
     def qparams(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if config.mse:
             return mse_qparams(w, scheme, config.mse_grid, config.mse_max_shrink, config.mse_norm)
-        return compute_qparams(w, scheme)
+        return scheme.qparams(w)
 
     if config.act_order:
         # Static groups: every group's grid from the original W in the original column order.
@@ -131,7 +137,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
 
     Q = torch.zeros_like(W)
     codes = torch.zeros(out_features, in_features, dtype=torch.int32, device=W.device)
-    column = QuantScheme(scheme.bits, scheme.symmetric, -1)  # one column with its own grid
+    column = scheme.per_column()  # one column with its own grid
     for i1 in range(0, in_features, config.block_size):
         i2 = min(i1 + config.block_size, in_features)
         W1 = W[:, i1:i2].clone()
@@ -150,8 +156,8 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
                 scale[:, g : g + 1], zero[:, g : g + 1] = s, z
             s, z = scale[:, g : g + 1], zero[:, g : g + 1]
             w = W1[:, i : i + 1]
-            q = quantize(w, s, z, column)
-            deq = dequantize(q, s, z, column)
+            q = column.quantize(w, s, z)
+            deq = column.dequantize(q, s, z)
             codes[:, j : j + 1], Q[:, j : j + 1] = q, deq
             err = (w - deq) / U1[i, i]
             W1[:, i + 1 :] -= err @ U1[i : i + 1, i + 1 :]

@@ -55,6 +55,24 @@ class QuantScheme:
     def group_width(self, in_features: int) -> int:
         return in_features if self.group_size == -1 else self.group_size
 
+    # The grid interface quantizers drive (shared with `float_grid.FloatScheme`).
+    def fit(self, w: torch.Tensor) -> "QuantScheme":
+        """This scheme with its per-tensor parameters fixed from ``w``: the integer grid has none."""
+        return self
+
+    def per_column(self) -> "QuantScheme":
+        """The grid of one column whose ``[out, 1]`` scale and zero are already known (GPTQ's column loop)."""
+        return QuantScheme(self.bits, self.symmetric, -1)
+
+    def qparams(self, w: torch.Tensor, shrink: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+        return compute_qparams(w, self, shrink)
+
+    def quantize(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        return quantize(w, scale, zero, self)
+
+    def dequantize(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        return dequantize(q, scale, zero, self)
+
 
 def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """View ``[out, in]`` as ``[out, n_groups, group_width]``."""
@@ -109,20 +127,23 @@ def fake_quantize(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
 
 def mse_qparams(
-    w: torch.Tensor, scheme: QuantScheme, grid: int = 100, max_shrink: float = 0.8, norm: float = 2.4
+    w: torch.Tensor, scheme, grid: int = 100, max_shrink: float = 0.8, norm: float = 2.4
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Clipping search for the scale and zero point per (row, group): each ``[out, n_groups]``.
 
     The search of GPTQ's reference ``Quantizer.find_params(mse=True)``: try the shrink factors
     ``p = 1 - i / grid`` for ``i in range(int(max_shrink * grid))`` (1, 0.99, ..., 0.21 with the
     defaults) and keep, per (row, group), the first ``p`` with the smallest ``sum |w - deq(w)|**norm``.
-    The first candidate is always ``p = 1``, so the result is never worse than plain min-max.
+    The first candidate is always ``p = 1``, so the result is never worse than plain min-max. ``scheme`` is
+    any grid with the `QuantScheme` interface (the float grids too, whose scales belong to one row each).
     """
+    if getattr(scheme, "block_rows", 1) != 1:
+        raise ValueError("the MSE clipping search chooses per row: it cannot keep a scale shared by a block of rows")
     w = w.float()
-    best_scale, best_zero = compute_qparams(w, scheme)
+    best_scale, best_zero = scheme.qparams(w)
     best_err = _group_error(w, best_scale, best_zero, scheme, norm)
     for i in range(1, int(max_shrink * grid)):
-        scale, zero = compute_qparams(w, scheme, shrink=1 - i / grid)
+        scale, zero = scheme.qparams(w, shrink=1 - i / grid)
         err = _group_error(w, scale, zero, scheme, norm)
         better = err < best_err  # strict: ties keep the wider range, as the reference does
         best_err = torch.where(better, err, best_err)
@@ -131,9 +152,8 @@ def mse_qparams(
     return best_scale, best_zero
 
 
-def _group_error(
-    w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme, norm: float
-) -> torch.Tensor:
+def _group_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme, norm: float) -> torch.Tensor:
     """``sum |w - deq|**norm`` per (row, group): ``[out, n_groups]``."""
-    deq = dequantize(quantize(w, scale, zero, scheme), scale, zero, scheme)
-    return _grouped((w - deq).abs_().pow_(norm), scheme).sum(dim=-1)
+    deq = scheme.dequantize(scheme.quantize(w, scale, zero), scale, zero)
+    out_features, in_features = w.shape
+    return (w - deq).abs_().pow_(norm).reshape(out_features, scheme.groups(in_features), -1).sum(dim=-1)

@@ -6,7 +6,10 @@ from dataclasses import dataclass, field
 
 import torch
 
+from compress.quantizers.float_grid import FloatScheme
 from compress.quantizers.grid import QuantScheme
+
+Grid = QuantScheme | FloatScheme  # what a quantizer rounds onto: the integer grid or a float one
 
 
 @dataclass
@@ -14,13 +17,14 @@ class QuantResult:
     """A quantized layer: codes and grid (for packing) plus the dequantized weight (for fake-quant).
 
     Shapes: ``weight`` and ``codes`` ``[out, in]``; ``scale`` and ``zero`` ``[out, n_groups]``;
-    ``g_idx`` ``[in]`` maps each input column to its group (``None``: column // group_size).
+    ``g_idx`` ``[in]`` maps each input column to its group (``None``: column // group_size). On a float
+    grid ``codes`` are the element bit patterns and ``scheme`` carries the fitted per-tensor scale (NVFP4).
     """
 
     weight: torch.Tensor
     codes: torch.Tensor
     scale: torch.Tensor
     zero: torch.Tensor
-    scheme: QuantScheme
+    scheme: Grid
     g_idx: torch.Tensor | None = None
     stats: dict[str, float] = field(default_factory=dict)

@@ -40,6 +40,9 @@ class CalibrationSpec(BaseModel):
     seq_len: int = Field(512, ge=2)
     seed: int = 0
     batch_size: int = Field(8, ge=1, description="samples per forward pass through a block")
+    all_experts: bool = Field(
+        True, description="MoE: every calibration token goes through every expert (the block's output stays the routed one)"
+    )
 
 
 def _first_line(exc: BaseException) -> str:

@@ -29,6 +29,7 @@ from typing import Callable, Iterator
 import numpy as np
 import torch
 
+from compress.checkpoints.gguf_file import dequantized, is_gguf_file, read_gguf  # noqa: F401  (is_gguf_file: used by callers)
 from compress.checkpoints.output import OutputDir, dir_size
 from compress.checkpoints.shards import ShardedWriter
 from compress.errors import CompressError
@@ -62,28 +63,16 @@ class ConvertResult:
         return {**self.__dict__, "source": str(self.source), "output": str(self.output)}
 
 
-def is_gguf_file(path: Path) -> bool:
-    """A file that starts with the GGUF magic (directories and other files are not)."""
-    if not path.is_file():
-        return False
-    with path.open("rb") as f:
-        return f.read(4) == b"GGUF"
-
-
 def _open(path: Path):
     """gguf-py's reader and the file's architecture, or a one-line error."""
-    from gguf import GGUFReader
-
-    if not is_gguf_file(path):
-        raise CompressError(f"{path} is not a GGUF file (no GGUF magic): give a .gguf file or a checkpoint directory")
-    try:
-        reader = GGUFReader(str(path))
-    except (ValueError, KeyError, IndexError, OverflowError, MemoryError) as exc:
-        raise CompressError(f"{path} is not a readable GGUF file ({type(exc).__name__}: {exc}): re-download or re-export it") from None
+    reader = read_gguf(path)
     field = reader.fields.get("general.architecture")
     if field is None:
         raise CompressError(f"{path} has no general.architecture key: it is not a model GGUF file")
-    return reader, bytes(field.parts[field.data[0]]).decode()
+    try:
+        return reader, bytes(field.parts[field.data[0]]).decode()
+    except (IndexError, UnicodeDecodeError, TypeError):
+        raise CompressError(f"{path}: its general.architecture key is not a UTF-8 string: the file is damaged") from None
 
 
 def _check_architecture(path: Path, arch: str) -> None:
@@ -111,7 +100,6 @@ def convert_gguf(
     source: Path, output: Path, dtype: ConvertDtype = ConvertDtype.float32, overwrite: bool = False, progress: ProgressFn | None = None
 ) -> ConvertResult:
     """Write ``source`` (a GGUF file) as a safetensors checkpoint with config and tokenizer at ``output``."""
-    from gguf import dequantize
     from transformers import AutoConfig, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor, get_gguf_hf_weights_map, load_gguf_checkpoint
 
@@ -140,7 +128,7 @@ def convert_gguf(
         for i, tensor in enumerate(reader.tensors):
             types[tensor.tensor_type.name] = types.get(tensor.tensor_type.name, 0) + 1
             result = processor.process(
-                weights=dequantize(tensor.data, tensor.tensor_type), name=tensor.name,
+                weights=dequantized(source, tensor), name=tensor.name,
                 tensor_key_mapping=names, parsed_parameters=parsed,
             )
             if result.name not in names:

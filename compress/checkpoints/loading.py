@@ -22,9 +22,19 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model", "vocab.txt")
+
+
 def load_tokenizer(path: Path):
+    """The checkpoint's tokenizer. Asked for only where text is tokenized (calibration, evaluation,
+    distillation data), so a checkpoint without one still quantizes with data-free methods."""
     from transformers import AutoTokenizer
 
+    if Path(path).is_dir() and not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise CompressError(
+            f"{path} has no tokenizer files (tokenizer.json, tokenizer.model or vocab.json): tokenizing the calibration or "
+            "evaluation text needs the model's tokenizer; copy those files from the original checkpoint into it"
+        )
     try:
         return AutoTokenizer.from_pretrained(path)
     except (OSError, ValueError, TypeError) as exc:

@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from compress.checkpoints.conversion import CheckpointNames, checkpoint_names
+from compress.checkpoints.experts import router_layers
 from compress.checkpoints.shards import CheckpointReader
 from compress.errors import CompressError
 
@@ -72,10 +74,24 @@ def validate_model_dir(path: Path) -> None:
         raise CompressError(f"{path / 'config.json'} has no model_type: it is not a transformers config; re-download it")
 
 
+def check_remote_code(path: Path, trust_remote_code: bool) -> None:
+    """A config.json naming its own model code (``auto_map``) runs only with ``trust_remote_code``: without
+    it, transformers would silently build its built-in class instead, or fail later with a long message."""
+    config = json.loads((path / "config.json").read_text())
+    auto_map = config.get("auto_map")
+    if auto_map and not trust_remote_code:
+        first = next(iter(auto_map.values())) if isinstance(auto_map, dict) and auto_map else auto_map
+        raise CompressError(
+            f"{path / 'config.json'} names custom model code (auto_map: {first}): pass --trust-remote-code if you trust "
+            "that code, or delete auto_map from config.json to use transformers' built-in model"
+        )
+
+
 def load_config(path: Path, trust_remote_code: bool = False):
     from transformers import AutoConfig
 
     validate_model_dir(path)
+    check_remote_code(path, trust_remote_code)
     try:
         return AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except ValueError as exc:
@@ -96,6 +112,7 @@ class ModelHandle:
     blocks_name: str
     blocks: nn.ModuleList
     _key_of: dict[str, str] = field(default_factory=dict)
+    names: CheckpointNames | None = None  # model ↔ on-disk names (transformers' renamings)
 
     @property
     def base_model(self) -> nn.Module:
@@ -114,12 +131,17 @@ class ModelHandle:
         if key is not None:
             return key
         prefix = self.model.base_model_prefix + "."
-        candidates = [name, name.removeprefix(prefix), prefix + name]
+        renamed = self.names.disk_key(name) if self.names is not None else None
+        candidates = [*([renamed] if renamed else []), name, name.removeprefix(prefix), prefix + name]
         for c in candidates:
             if c in self.reader:
                 self._key_of[name] = c
                 return c
         raise CompressError(f"checkpoint {self.path} has no tensor for {name}: it does not match its config.json")
+
+    def disk_name(self, name: str) -> str:
+        """The name model tensor ``name`` is written under, in the checkpoint's on-disk layout."""
+        return self.names.disk_name(name) if self.names is not None else name
 
     def materialize(
         self,
@@ -205,7 +227,31 @@ def open_model(path: Path, trust_remote_code: bool = False) -> ModelHandle:
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     expected = getattr(text_config, "num_hidden_layers", None)
     blocks_name, blocks = find_decoder_blocks(model, expected)
-    return ModelHandle(path, config, model, reader, blocks_name, blocks)
+    names = checkpoint_names(model, reader.names())  # also unfuses experts stored per expert
+    handle = ModelHandle(path, config, model, reader, blocks_name, blocks, names=names)
+    check_weights_match_config(handle)
+    return handle
+
+
+def check_weights_match_config(handle: ModelHandle) -> None:
+    """Every parameter config.json implies that the weights hold has their shape (headers only, before any
+    work): a config whose sizes were edited is a one-line error naming the tensor and both shapes. A tensor
+    missing from the weights is an error where it is read; packed layers are stored under other names and
+    shapes (checked by their codec)."""
+    tied = handle.tied_parameter_names()
+    for name, parameter in handle.model.named_parameters():
+        if name in tied:
+            continue
+        try:
+            key = handle.checkpoint_key(name)
+        except CompressError:
+            continue
+        stored, expected = handle.reader.shape(key), list(parameter.shape)
+        if stored != expected:
+            raise CompressError(
+                f"{handle.path}: tensor {key} has shape {stored} in the weights but config.json implies {expected}: "
+                "the config does not match the weights; restore the checkpoint's original config.json"
+            )
 
 
 def quantizable_layers(
@@ -222,11 +268,12 @@ def quantizable_layers(
     include_re = [re.compile(p) for p in include or []]
     exclude_re = [re.compile(p) for p in exclude or []]
     in_blocks = tuple(b + "." for b in block_names)
+    routers = router_layers(model)  # routing decisions stay dense unless included explicitly
     selected = {}
     for name, module in model.named_modules():
         if not isinstance(module, QUANTIZABLE_TYPES):
             continue
-        chosen = any(r.search(name) for r in include_re) if include_re else name.startswith(in_blocks)
+        chosen = any(r.search(name) for r in include_re) if include_re else name.startswith(in_blocks) and name not in routers
         if chosen and not any(r.search(name) for r in exclude_re):
             selected[name] = module
     return selected

@@ -2,21 +2,118 @@
 
 A failed or interrupted run leaves no half-written output, an existing output is replaced only with
 ``overwrite`` and only once the new one is complete, and the input checkpoint is never touched.
+
+- One writer per output path: `OutputLock` holds ``.<name>.lock`` beside it (``flock``) while the output
+  is written, so a second run writing the same path is a one-line error; the kernel releases the lock of
+  a killed run. The lock holder also reports the temporary files a killed run left (``.<name>.partial-PID``
+  and the like), with the command that removes them.
+- A full disk (``ENOSPC``, quota, a file too large, a read-only filesystem) is a one-line error; the
+  temporary directory is removed.
+- The finished directory carries ``manifest.json``, the SHA-256 of every file and tensor
+  (`compress.checkpoints.integrity`), which ``compress verify`` checks.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import logging
 import os
+import shlex
 import shutil
 from pathlib import Path
 from typing import Any
 
+from compress.checkpoints.integrity import MANIFEST, input_digests, write_manifest
 from compress.errors import CompressError
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no lock, the temporary names still differ per process
+    fcntl = None
+
+log = logging.getLogger(__name__)
 
 WEIGHT_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".gguf")
 LAYER_REPORT = "compression_report.json"
-NOT_COPIED = {"config.json", "README.md", "model.safetensors.index.json", "pytorch_model.bin.index.json", LAYER_REPORT}
+NOT_COPIED = {"config.json", "README.md", "model.safetensors.index.json", "pytorch_model.bin.index.json", LAYER_REPORT, MANIFEST}
+DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
+TEMPORARY_MARKERS = ("partial", "old", "tmp", "awq")  # .<name>.<marker>-<pid>[-...]: what writers leave when killed
+
+
+def disk_error(final: Path, exc: BaseException) -> CompressError | None:
+    """A one-line error for an ``OSError`` of a full or read-only disk while writing ``final`` (None for others)."""
+    if not isinstance(exc, OSError) or exc.errno not in DISK_ERRORS:
+        return None
+    return CompressError(
+        f"cannot write {final}: {os.strerror(exc.errno)} ({exc.filename or final.parent}); nothing was written: "
+        "free space on that disk or choose another output path"
+    )
+
+
+class OutputLock:
+    """``.<name>.lock`` beside ``final``, locked (``flock``) by the one run writing ``final``.
+
+    Opened, locked without waiting, then checked to be still the file at that path (a holder that just
+    finished removes it: the lock taken on the removed file would protect nothing, so it is taken again).
+    """
+
+    def __init__(self, final: Path):
+        self.final = final
+        self.path = final.parent / f".{final.name}.lock"
+        self._fd: int | None = None
+
+    def acquire(self) -> list[Path]:
+        """Take the lock or raise; returns the temporary files that killed runs left beside ``final``."""
+        if fcntl is None:
+            return []
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.read(fd, 32).decode(errors="replace").strip()
+                os.close(fd)
+                raise CompressError(
+                    f"another run{f' (pid {holder})' if holder.isdigit() else ''} is writing {self.final}: "
+                    "wait for it to finish, or choose another output path"
+                ) from None
+            try:
+                current = os.stat(self.path).st_ino == os.fstat(fd).st_ino
+            except FileNotFoundError:
+                current = False
+            if current:
+                break
+            os.close(fd)
+        os.ftruncate(fd, 0)
+        os.write(fd, f"{os.getpid()}\n".encode())
+        self._fd = fd
+        return self.stale_files()
+
+    def stale_files(self) -> list[Path]:
+        """Temporary files and folders of earlier writers of ``final``: stale, since this run holds the lock."""
+        found = []
+        for marker in TEMPORARY_MARKERS:
+            prefix = f".{self.final.name}.{marker}-"
+            found += [p for p in self.final.parent.glob(prefix + "*") if p.name[len(prefix):].split("-")[0] != str(os.getpid())]
+        for path in sorted(found):
+            log.warning("%s was left by an interrupted run and is not used; remove it with: rm -rf %s", path, shlex.quote(str(path)))
+        return sorted(found)
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            self.path.unlink(missing_ok=True)  # removed while still locked: see the class docstring
+        finally:
+            os.close(self._fd)
+            self._fd = None
+
+    def __del__(self):
+        try:
+            self.release()
+        except Exception:  # noqa: BLE001 - at interpreter exit os may be gone; the kernel drops the lock anyway
+            pass
 
 
 def check_outside_input(output: Path, model: Path) -> None:
@@ -30,36 +127,59 @@ def check_outside_input(output: Path, model: Path) -> None:
 
 
 class OutputDir:
-    """``with OutputDir(path, overwrite) as tmp:`` write into ``tmp``; renamed to ``path`` on success."""
+    """``with OutputDir(path, overwrite) as tmp:`` write into ``tmp``; renamed to ``path`` on success, with
+    its manifest. The output path is locked while inside the block (`OutputLock`)."""
 
     def __init__(self, final: Path, overwrite: bool = False, protect: Path | None = None):
         self.final = final
         self.overwrite = overwrite
         if protect is not None:
             check_outside_input(final, protect)
-        if final.exists() and not overwrite:
-            raise CompressError(f"output {final} already exists: pass --overwrite or choose another directory")
-        if final.exists() and not final.is_dir():
-            raise CompressError(f"output {final} is a file: choose a directory path")
+        self._check_final()
         self.tmp = final.parent / f".{final.name}.partial-{os.getpid()}"
+        self.lock = OutputLock(final)
+        self.stale: list[Path] = []  # temporary files of killed runs found beside the output (reported, kept)
+
+    def _check_final(self) -> None:
+        if self.final.exists() and not self.overwrite:
+            raise CompressError(f"output {self.final} already exists: pass --overwrite or choose another directory")
+        if self.final.exists() and not self.final.is_dir():
+            raise CompressError(f"output {self.final} is a file: choose a directory path")
 
     def __enter__(self) -> Path:
         self.final.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(self.tmp, ignore_errors=True)
-        self.tmp.mkdir()
+        self.stale = self.lock.acquire()
+        try:
+            self._check_final()  # again, under the lock: another run may have finished meanwhile
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp.mkdir()
+        except BaseException:
+            self.lock.release()
+            raise
         return self.tmp
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is not None:
-            shutil.rmtree(self.tmp, ignore_errors=True)
-            return
-        old = None
-        if self.final.exists():
-            old = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
-            os.replace(self.final, old)
-        os.replace(self.tmp, self.final)
-        if old is not None:
-            shutil.rmtree(old, ignore_errors=True)
+        try:
+            if exc_type is not None:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                error = disk_error(self.final, exc)
+                if error is not None:
+                    raise error from None
+                return
+            try:
+                write_manifest(self.tmp)
+            except OSError as failed:
+                shutil.rmtree(self.tmp, ignore_errors=True)
+                raise disk_error(self.final, failed) or failed
+            old = None
+            if self.final.exists():
+                old = self.final.parent / f".{self.final.name}.old-{os.getpid()}"
+                os.replace(self.final, old)
+            os.replace(self.tmp, self.final)
+            if old is not None:
+                shutil.rmtree(old, ignore_errors=True)
+        finally:
+            self.lock.release()
 
 
 def copy_side_files(src: Path, dst: Path) -> list[str]:
@@ -82,11 +202,26 @@ def write_config(src: Path, dst: Path, record: dict[str, Any]) -> None:
     (dst / "config.json").write_text(json.dumps(config, indent=2) + "\n")
 
 
+def run_inputs(model: Path, **texts: Path | None) -> dict[str, dict]:
+    """The SHA-256 of a run's inputs by role: the model's files (top level of its folder) and each text
+    given (``calibration=``, ``evaluation=``, ``training=``: a file, or every file of a folder), for its
+    record: an output can be traced back to exactly what made it."""
+    inputs = {}
+    for role, path in {"model": model, **texts}.items():
+        if path is None:
+            continue
+        if not Path(path).exists():
+            raise CompressError(f"{role} input {path} does not exist: give an existing path")
+        inputs[role] = input_digests(path, recursive=role != "model")
+    return inputs
+
+
 def write_layer_report(dst: Path, layers: list) -> None:
-    """Per-layer figures (shape, time, the method's error statistics) saved beside the weights."""
+    """Per-layer figures (shape, the method's error statistics) saved beside the weights. The seconds each
+    layer took are printed and returned, not saved: the output's bytes do not depend on the clock."""
     from dataclasses import asdict
 
-    rows = [asdict(r) for r in layers]
+    rows = [{k: v for k, v in asdict(r).items() if k != "seconds"} for r in layers]
     (dst / LAYER_REPORT).write_text(json.dumps({"layers": rows}, indent=1) + "\n")
 
 
@@ -118,6 +253,11 @@ def write_model_card(dst: Path, title: str, record: dict[str, Any], figures: dic
         lines += [f"| {k} | {v} |" for k, v in figures.items()]
     if record.get("command"):
         lines += ["", "Reproduce with:", "", "```", record["command"], "```"]
+    if record.get("inputs"):  # what the record in config.json (``compression.inputs``) holds
+        lines += ["", "Inputs (SHA-256):", "", "| input | file | SHA-256 |", "| --- | --- | --- |"]
+        for role, given in record["inputs"].items():
+            lines += [f"| {role} `{given['path']}` | {name} | `{digest}` |" for name, digest in given["sha256"].items()]
+    lines += ["", f"`{MANIFEST}` lists the SHA-256 of every file and tensor here; check them with `compress verify {title}`."]
     if record.get("source_model"):  # the final path is the card's folder name beside the temporary one
         lines += [
             "", "Compare with other outputs of the same model (perplexity, KLD, size, bits per weight; one protocol):", "",

@@ -14,20 +14,23 @@ from __future__ import annotations
 import functools
 import logging
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import torch
 from torch import nn
 
 from compress.errors import CompressError
 from compress.formats import compressed_tensors as ct
+from compress.formats import ct_float
 from compress.formats import gptq
 from compress.kernels.quant_linear import QuantLinear
+from compress.quantizers.float_grid import FloatGrid
 from compress.checkpoints.model_io import ModelHandle, open_model, quantizable_layers
 
 log = logging.getLogger(__name__)
 
-CT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight", "input_scale", "input_zero_point")
+CT_SUFFIXES = ("weight_packed", "weight_scale", "weight_shape", "weight_zero_point", "weight", "input_scale", "input_zero_point",
+               "weight_global_scale", "input_global_scale")
 GPTQ_SUFFIXES = ("qweight", "qzeros", "scales", "g_idx")
 
 
@@ -63,9 +66,8 @@ def _read(handle: ModelHandle, prefix: str, suffixes: tuple[str, ...]) -> dict[s
     return found
 
 
-def _ct_layers(handle: ModelHandle, qc: dict, linears: dict[str, nn.Module]) -> dict[str, QuantLinear]:
+def _ct_layers(handle: ModelHandle, qc: dict, linears: dict[str, nn.Module]) -> Iterator[tuple[str, QuantLinear]]:
     specs = ct.layer_specs(qc, list(linears))
-    built = {}
     for name, module in linears.items():
         spec = specs.get(name)
         if spec is None:
@@ -75,17 +77,39 @@ def _ct_layers(handle: ModelHandle, qc: dict, linears: dict[str, nn.Module]) -> 
         tensors = _read(handle, name, CT_SUFFIXES)
         ct.validate(name, tensors, spec, module.out_features, module.in_features)
         activations = None
-        if spec.format == ct.INT_QUANTIZED:
+        if spec.float_scheme is not None:  # FP8 / NVFP4 / MXFP4 (formats/ct_float.py)
+            dequantize, activations = _float_layer(name, spec, tensors)
+        elif spec.format == ct.INT_QUANTIZED:
             tensors = {k: tensors[k] for k in ("weight", "weight_scale", "input_scale") if k in tensors}
             dequantize = ct.dequantize_int_quantized
             activations = _activation_scheme(name, spec.input_activations, tensors)
         else:
             tensors = {k: v for k, v in tensors.items() if k.startswith("weight_")}
             dequantize = functools.partial(ct.dequantize_pack_quantized, bits=spec.bits, symmetric=spec.symmetric)
-        built[name] = QuantLinear(
+        yield name, QuantLinear(
             module.in_features, module.out_features, tensors, dequantize, _bias(handle, name, module), activations, spec.format
         )
-    return built
+
+
+def _float_layer(name: str, spec, tensors: dict[str, torch.Tensor]):
+    """The dequantizer and activation scheme of a float-quantized layer (``tensors`` as stored)."""
+    scheme = spec.float_scheme
+    if scheme.grid is FloatGrid.FP8:
+        block = (scheme.block_rows, scheme.group_size) if scheme.block_rows > 1 else None
+        dequantize = functools.partial(ct_float.dequantize_fp8, block=block)
+    else:
+        dequantize = functools.partial(ct_float.dequantize_fp4, grid=scheme.grid)
+    args = spec.input_activations
+    if not args:
+        return dequantize, None
+    try:
+        activations = ct_float.activation_scheme(args)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CompressError(f"{name}: input_activations {args} are not supported ({exc}): re-export the checkpoint") from None
+    static = "input_global_scale" if activations.bits == 4 else "input_scale"
+    if not activations.dynamic and static not in tensors:
+        raise CompressError(f"{name}.{static} is missing: static activation quantization needs it; re-export the checkpoint")
+    return dequantize, activations
 
 
 def _activation_scheme(name: str, args: dict | None, tensors: dict[str, torch.Tensor]):
@@ -102,22 +126,36 @@ def _activation_scheme(name: str, args: dict | None, tensors: dict[str, torch.Te
     return scheme
 
 
-def _gptq_layers(handle: ModelHandle, qc: dict, linears: dict[str, nn.Module]) -> dict[str, QuantLinear]:
+def _gptq_layers(handle: ModelHandle, qc: dict, linears: dict[str, nn.Module]) -> Iterator[tuple[str, QuantLinear]]:
     try:
         bits, group_size = int(qc["bits"]), int(qc.get("group_size", -1))
     except (KeyError, TypeError, ValueError):
         raise CompressError("gptq quantization_config has no valid bits/group_size: the config is corrupt") from None
-    built = {}
+    built = 0
     for name, module in linears.items():
         tensors = _read(handle, name, GPTQ_SUFFIXES)
         if not tensors:
             continue
         gptq.validate(name, tensors, bits, group_size, module.out_features, module.in_features)
         dequantize = functools.partial(gptq.dequantize, bits=bits, group_size=group_size)
-        built[name] = QuantLinear(module.in_features, module.out_features, tensors, dequantize, _bias(handle, name, module), layout="gptq")
+        built += 1
+        yield name, QuantLinear(module.in_features, module.out_features, tensors, dequantize, _bias(handle, name, module), layout="gptq")
     if not built:
         raise CompressError("gptq checkpoint holds no qweight tensors: the file is incomplete; re-export it")
-    return built
+
+
+def _quantization_config(handle: ModelHandle) -> dict:
+    qc = handle.config.quantization_config
+    return qc if isinstance(qc, dict) else qc.to_dict()
+
+
+def iter_packed_layers(handle: ModelHandle) -> Iterator[tuple[str, QuantLinear]]:
+    """Each layer the checkpoint stores packed, as a `QuantLinear` validated against the model's shapes,
+    one at a time (name, layer)."""
+    qc = _quantization_config(handle)
+    linears = _linear_names(handle)
+    kind = detect_format({"quantization_config": qc})
+    yield from (_ct_layers if kind == "compressed-tensors" else _gptq_layers)(handle, qc, linears)
 
 
 def _bias(handle: ModelHandle, name: str, module: nn.Linear) -> torch.Tensor | None:
@@ -132,11 +170,8 @@ def _bias(handle: ModelHandle, name: str, module: nn.Linear) -> torch.Tensor | N
 def load_packed_model(path: Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32, trust_remote_code: bool = False):
     """The checkpoint at ``path`` as an eval-mode model with `QuantLinear` layers, on ``device``."""
     handle = open_model(path, trust_remote_code)
-    qc = handle.config.quantization_config
-    qc = qc if isinstance(qc, dict) else qc.to_dict()
-    linears = _linear_names(handle)
-    kind = detect_format({"quantization_config": qc})
-    built = _ct_layers(handle, qc, linears) if kind == "compressed-tensors" else _gptq_layers(handle, qc, linears)
+    built = dict(iter_packed_layers(handle))
+    kind = detect_format({"quantization_config": _quantization_config(handle)})
     model = handle.model
     for name, layer in built.items():
         parent, _, attr = name.rpartition(".")
@@ -191,5 +226,6 @@ def packed_summary(handle: ModelHandle, config: dict[str, Any], layers: dict[str
 
 
 def _is_int(handle: ModelHandle, key: str) -> bool:
+    """The stored ``.weight`` holds codes (int8/int32, or FP8 elements), not a dense float weight."""
     entry = getattr(handle.reader, "_entries", {}).get(key)
-    return entry is not None and entry[1]["dtype"] in ("I8", "I32")
+    return entry is not None and entry[1]["dtype"] in ("I8", "I32", "F8_E4M3")

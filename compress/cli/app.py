@@ -9,7 +9,7 @@ import sys
 import typer
 
 from compress import __version__
-from compress.cli.console import stdout
+from compress.cli.console import install_signal_handlers, stdout
 
 app = typer.Typer(
     name="compress",
@@ -47,7 +47,7 @@ def _root(version: bool = typer.Option(False, "--version", help="Show the versio
 
 
 def _register_commands() -> None:
-    from compress.cli import compressing, convert, distill, evaluate, export, inspect, report
+    from compress.cli import compressing, convert, distill, evaluate, export, inspect, measure, report, speculative, verify
 
     compressing.register(app)  # quantize, prune, run
     evaluate.register(app, eval_app)  # eval ppl, reference-model
@@ -56,11 +56,15 @@ def _register_commands() -> None:
     export.register(app)  # export, imatrix
     convert.register(app)  # convert (GGUF in)
     report.register(app, eval_app)  # report, sweep, eval lm-eval
+    measure.register(app)  # measure, allocate (per-layer sensitivity, plans)
+    speculative.register(eval_app)  # eval speculative
+    verify.register(app)  # verify (an output against its manifest)
 
 
 _register_commands()
 
 
 def main() -> None:
+    install_signal_handlers()  # the process is ours: SIGTERM stops a run as Ctrl-C does, cleaning up
     app()
 

@@ -17,6 +17,7 @@ from compress.cli.console import (
     progress_bars,
     user_errors,
 )
+from compress.cli.measure import MAX_KLD_OPT, TARGET_BPW_OPT, TARGET_SIZE_OPT
 from compress.cli.options import (
     CALIB_OPT,
     DEVICE_OPT,
@@ -56,7 +57,7 @@ def _execute(recipe, as_json: bool) -> None:
         return
     rows = {
         "output": summary["output"],
-        "layers compressed": len(summary["layers"]),
+        **({"layers compressed": len(summary["layers"])} if summary["layers"] else {}),  # none: structured pruning
         "decoder blocks": summary["blocks"],
         "time": f"{summary['seconds']:.1f} s",
         "peak memory (RSS)": human_bytes(summary["peak_rss_bytes"]),
@@ -65,12 +66,22 @@ def _execute(recipe, as_json: bool) -> None:
     }
     if summary["peak_device_bytes"] is not None:
         rows["peak device memory"] = human_bytes(summary["peak_device_bytes"])
+    for plan in summary.get("plans", []):
+        from compress.cli.measure import plan_summary, plan_table
+
+        console.print(plan_table(plan, f"stage {plan['stage']}: per-layer plan"))
+        rows.update({f"plan: {k}": v for k, v in plan_summary(plan).items()})
     for i, note in enumerate(summary["notes"]):
         rows[f"note {i + 1}"] = note
     if result.evaluation is not None:
         ev = result.evaluation
         rows["perplexity (original)"] = f"{ev.perplexity:.4f} ({ev.ref_perplexity:.4f})"
         rows["mean KLD vs original"] = f"{ev.kld:.5f}"
+        predicted = [p["predicted_kld"] for p in summary.get("plans", []) if p.get("predicted_kld") is not None]
+        if predicted:
+            rows["mean KLD vs original"] += f" (plan predicted {sum(predicted):.5f} on the calibration windows)"
+        if ev.kv_cache:
+            rows["KV cache (evaluation)"] = ev.kv_cache
     console.print(key_value_table("summary", rows))
 
 
@@ -105,6 +116,8 @@ def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
         data["calibration"] = {"path": args["calib"], "samples": args["samples"], "seq_len": args["seq_len"]}
     if args["eval_text"] is not None:
         data["evaluation"] = {"text": args["eval_text"]}
+    if args.get("kv_cache") is not None:
+        data["kv_cache"] = {"format": args["kv_cache"], "strategy": args["kv_cache_strategy"]}
     _run(data, "command line", args["as_json"])
 
 
@@ -113,6 +126,10 @@ def quantize(
     model: Path = MODEL_ARG,
     output: Path = OUTPUT_OPT,
     method: str = typer.Option("rtn", "--method", help="Quantization method: rtn, gptq, awq or smoothquant (see `compress methods`)."),
+    scheme: Optional[str] = typer.Option(
+        None, "--scheme",
+        help="Named scheme: fp8-dynamic, fp8-block, nvfp4, nvfp4a16, mxfp4, mxfp4a16, w4a16, w8a8-int8 (sets grid, group size, activations).",
+    ),
     bits: Optional[int] = typer.Option(None, "--bits", help="Weight bit width, 2 to 8 (default 4)."),
     group_size: Optional[str] = typer.Option(
         None, "--group-size", help="Columns per scale group; -1 for per channel; auto: the largest of 128/64/32 dividing every layer (default 128).",
@@ -125,6 +142,16 @@ def quantize(
     include: list[str] = typer.Option([], "--include", help="Regex of layer names to compress (replaces the default: all block linears)."),
     exclude: list[str] = EXCLUDE_OPT,
     option: list[str] = typer.Option([], "-O", "--option", help="Method setting KEY=VALUE, e.g. -O act_order=true (see `compress methods`)."),
+    kv_cache: Optional[str] = typer.Option(
+        None, "--kv-cache", help="Also calibrate KV-cache scales (needs --calib) and store them for vLLM: fp8 or int8.",
+    ),
+    kv_cache_strategy: str = typer.Option("tensor", "--kv-cache-strategy", help="KV-cache scales per tensor (every vLLM backend) or per KV head."),
+    plan: Optional[Path] = typer.Option(
+        None, "--plan", help="Per-layer bits/group size: a plan file (compress allocate -o), or a sensitivity file with a target below.",
+    ),
+    target_bpw: Optional[float] = TARGET_BPW_OPT,
+    target_size: Optional[str] = TARGET_SIZE_OPT,
+    max_kld: Optional[float] = MAX_KLD_OPT,
     eval_text: Optional[Path] = EVAL_TEXT_OPT,
     device: str = DEVICE_OPT,
     overwrite: bool = OVERWRITE_OPT,
@@ -132,8 +159,15 @@ def quantize(
     as_json: bool = JSON_OPT,
 ) -> None:
     """Quantize a model's decoder-block linear layers and write a new checkpoint."""
-    grid = {"bits": bits, "group_size": group_size, "symmetric": symmetric}  # unset: the method's defaults
+    grid = {"scheme": scheme, "bits": bits, "group_size": group_size, "symmetric": symmetric}  # unset: the defaults
     stage = {"method": method, **{key: value for key, value in grid.items() if value is not None}}
+    targets = {"target_bpw": target_bpw, "target_size": target_size, "max_kld": max_kld}
+    if plan is not None:
+        stage["plan"] = {"path": plan, **{key: value for key, value in targets.items() if value is not None}}
+    elif any(value is not None for value in targets.values()):
+        from compress.errors import CompressError
+
+        raise CompressError("--target-bpw/--target-size/--max-kld need measurements: pass --plan sensitivity.json from `compress measure`")
     _run_stage(locals(), stage)
 
 
@@ -141,9 +175,16 @@ def quantize(
 def prune(
     model: Path = MODEL_ARG,
     output: Path = OUTPUT_OPT,
-    method: str = typer.Option("sparsegpt", "--method", help="Pruning method: sparsegpt, wanda or magnitude."),
+    method: Optional[str] = typer.Option(None, "--method", help="Pruning method: sparsegpt (default), wanda or magnitude."),
     sparsity: Optional[float] = typer.Option(None, "--sparsity", help="Unstructured: fraction of weights pruned, e.g. 0.5."),
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M semi-structured: keep N of every M, e.g. 2:4."),
+    structured: Optional[str] = typer.Option(
+        None, "--structured",
+        help="Structured: heads=0.25,mlp=0.5,hidden=0.25,layers=4 (a fraction removed, or the size kept); a smaller dense model.",
+    ),
+    target_params: Optional[str] = typer.Option(
+        None, "--target-params", help="Structured: scale MLP and hidden widths to at most this many parameters, e.g. 90M.",
+    ),
     output_format: str = FORMAT_OPT,
     calib: Optional[Path] = CALIB_OPT,
     samples: int = SAMPLES_OPT,
@@ -157,10 +198,38 @@ def prune(
     trust_remote_code: bool = TRUST_REMOTE_CODE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Prune a model's decoder-block linear layers (unstructured or N:M) and write a new checkpoint."""
-    stage: dict[str, Any] = {"method": method}
-    stage.update({k: v for k, v in (("sparsity", sparsity), ("pattern", pattern)) if v is not None})
+    """Prune a model's decoder-block linear layers (unstructured or N:M), or whole heads, channels and
+    blocks (--structured, --target-params), and write a new checkpoint."""
+    if structured is not None or target_params is not None:
+        stage = structured_stage(structured, target_params, method, sparsity, pattern)
+    else:
+        stage = {"method": method or "sparsegpt"}
+        stage.update({k: v for k, v in (("sparsity", sparsity), ("pattern", pattern)) if v is not None})
     _run_stage(locals(), stage)
+
+
+def structured_stage(spec: Optional[str], target_params: Optional[str], method, sparsity, pattern) -> dict[str, Any]:
+    """The recipe stage of ``--structured heads=0.25,mlp=0.5`` / ``--target-params 90M``."""
+    from compress.errors import CompressError
+
+    if method is not None or sparsity is not None or pattern is not None:
+        given = next(o for o, v in (("--method", method), ("--sparsity", sparsity), ("--pattern", pattern)) if v is not None)
+        raise CompressError(f"{given} is for unstructured pruning: drop it, or drop --structured/--target-params")
+    stage: dict[str, Any] = {"method": "structured"}
+    for item in (spec or "").split(","):
+        if not item.strip():
+            continue
+        key, sep, value = item.partition("=")
+        key = key.strip()
+        if not sep or key not in ("heads", "mlp", "hidden", "layers"):
+            raise CompressError(f"--structured item {item.strip()!r} is not AXIS=VALUE with AXIS heads, mlp, hidden or layers: write e.g. mlp=0.5")
+        try:
+            stage[key] = float(value)
+        except ValueError:
+            raise CompressError(f"--structured {key}={value.strip()!r} is not a number: write a fraction removed (0.25) or a size kept (4)") from None
+    if target_params is not None:
+        stage["target_params"] = target_params
+    return stage
 
 
 @user_errors

@@ -6,6 +6,7 @@ import contextlib
 import functools
 import json
 import shlex
+import signal
 import sys
 from typing import Any, Callable, Iterator
 
@@ -27,8 +28,29 @@ def command_line() -> str:
 PHASE_LABELS = {"calibration": "capturing calibration inputs", "blocks": "compressing blocks", "evaluation": "evaluating"}
 
 
+class Terminated(BaseException):
+    """SIGTERM (or SIGHUP) arrived: unwinds like KeyboardInterrupt, so every ``with`` removes its temporary
+    files, and no ``except Exception`` in a library stops it."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate(signum, _frame) -> None:
+    raise Terminated(signum)
+
+
+def install_signal_handlers() -> None:
+    """SIGTERM and SIGHUP stop the run as Ctrl-C does (by default they kill the process where it stands,
+    leaving its temporary output behind). Only the process owner (`compress.cli.app.main`) calls this."""
+    for signum in (signal.SIGTERM, signal.SIGHUP):
+        signal.signal(signum, _terminate)
+
+
 def user_errors(fn: Callable) -> Callable:
-    """Turn a `CompressError` into a one-line message and exit status 2 (no traceback)."""
+    """Turn a `CompressError` into a one-line message and exit status 2 (no traceback); Ctrl-C and SIGTERM
+    into one line and 128 + the signal's number, after the temporary output was removed."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -37,9 +59,12 @@ def user_errors(fn: Callable) -> Callable:
         except CompressError as exc:
             console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
-        except KeyboardInterrupt:
-            console.print("[bold red]interrupted[/]: nothing was written")
-            raise typer.Exit(130) from None
+        except (KeyboardInterrupt, Terminated) as exc:
+            signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
+            name = signal.Signals(signum).name
+            console.print(f"[bold red]interrupted[/] by {name}: stopped; the partial output was removed, nothing was written",
+                          highlight=False, soft_wrap=True)
+            raise typer.Exit(128 + signum) from None
 
     return wrapper
 

@@ -132,6 +132,12 @@ def register(app: typer.Typer) -> None:
         seed: int = typer.Option(0, "--seed", help="Data order (and random init of config students)."),
         eval_text: Optional[Path] = typer.Option(None, "--eval-text", help="Perplexity and KLD vs the teacher before and after."),
         eval_max_tokens: Optional[int] = typer.Option(None, "--eval-max-tokens", help="Evaluate the first N tokens only."),
+        objective: str = typer.Option("kd", "--objective", help="kd: the teacher's distribution on --data; draft: on sequences the teacher generates (speculative-decoding drafts)."),
+        draft_loss: str = typer.Option("tv", "--draft-loss", help="Draft objective: tv (total variation = 1 - acceptance) or kl (forward KL)."),
+        draft_temperature: float = typer.Option(1.0, "--draft-temperature", help="Draft objective: the serving temperature the teacher samples at (0: greedy)."),
+        draft_prompts: int = typer.Option(256, "--draft-prompts", help="Draft objective: prompts cut from --data for the teacher to continue."),
+        draft_prompt_tokens: int = typer.Option(32, "--draft-prompt-tokens", help="Draft objective: tokens per prompt; the rest of --seq-len is generated."),
+        draft_cache: Optional[Path] = typer.Option(None, "--draft-cache", help="Draft objective: where the teacher's sequences are cached (default: OUTPUT-draft-data); reused and resumed."),
         device: str = DEVICE_OPT,
         overwrite: bool = OVERWRITE_OPT,
         trust_remote_code: bool = TRUST_REMOTE_CODE_OPT,
@@ -145,6 +151,8 @@ def register(app: typer.Typer) -> None:
             "grad_accum": grad_accum, "seq_len": seq_len, "lr": lr, "warmup_steps": warmup_steps, "tau": tau,
             "alpha": alpha, "precision": precision, "keep_masks": keep_masks, "save_every": save_every,
             "checkpoint_dir": checkpoint_dir, "resume": resume, "seed": seed, "eval_max_tokens": eval_max_tokens,
+            "objective": objective, "draft_loss": draft_loss, "draft_temperature": draft_temperature, "draft_prompts": draft_prompts,
+            "draft_prompt_tokens": draft_prompt_tokens, "draft_cache": draft_cache,
         }
         data_: dict[str, Any] = {
             "model": teacher, "output": {"path": output, "overwrite": overwrite}, "device": device,

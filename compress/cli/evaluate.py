@@ -22,17 +22,25 @@ def eval_ppl(
     reference: Optional[Path] = typer.Option(None, "--reference", help="Unquantized model: also report mean KLD from it."),
     batch_size: int = typer.Option(8, "--batch-size", help="Windows per forward pass."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Evaluate only the first N tokens."),
+    kv_cache: Optional[str] = typer.Option(
+        None, "--kv-cache",
+        help="Simulate a quantized KV cache in the attention: fp8, int8, int4, q8_0, q4_0 or none (default: the checkpoint's calibrated kv_cache, if any).",
+    ),
     device: str = DEVICE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """Sliding-window perplexity (and KLD against a reference model)."""
     from compress.checkpoints.gguf_source import checkpoint_source
     from compress.eval.checkpoint import evaluate_checkpoint
+    from compress.eval.kv_cache import parse_kv_cache
+
+    kv_choice = parse_kv_cache(kv_cache)
 
     with progress_bars(not as_json) as progress, checkpoint_source(model, progress) as model_dir, \
             checkpoint_source(reference, progress) if reference is not None else nullcontext() as reference_dir:
         result = evaluate_checkpoint(
-            model_dir, text, ctx, stride, batch_size, reference_dir, device, max_tokens, lambda d, t: progress("evaluation", d, t)
+            model_dir, text, ctx, stride, batch_size, reference_dir, device, max_tokens, lambda d, t: progress("evaluation", d, t),
+            kv_cache=kv_choice,
         )
     data = {"model": str(model), "text": str(text), "ctx": ctx, "stride": stride or ctx, **result.to_dict()}
     if as_json:
@@ -42,6 +50,7 @@ def eval_ppl(
         "perplexity": f"{result.perplexity:.4f}",
         "tokens scored": result.tokens_scored,
         "tokens/s": f"{result.tokens_per_second:.0f}",
+        "KV cache": result.kv_cache or "as computed (not quantized)",
     }
     if result.kld is not None:
         rows["reference perplexity"] = f"{result.ref_perplexity:.4f}"

@@ -7,8 +7,9 @@ from typing import Optional
 
 import typer
 
+from compress.cli.measure import MAX_KLD_OPT, TARGET_BPW_OPT, TARGET_SIZE_OPT
 from compress.cli.options import DEVICE_OPT, JSON_OPT, MODEL_ARG, SAMPLES_OPT, SEQ_LEN_OPT
-from compress.cli.console import console, human_bytes, key_value_table, print_json, progress_bars, user_errors
+from compress.cli.console import command_line, console, human_bytes, key_value_table, print_json, progress_bars, user_errors
 
 
 def export_command(
@@ -17,8 +18,8 @@ def export_command(
     output_format: str = typer.Option("gguf", "--format", help="Export format: gguf."),
     gguf_type: str = typer.Option(
         "q8_0", "--type",
-        help="GGML type for every weight matrix (f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k) "
-        "or a llama.cpp mix (q3_k_m q4_k_s q4_k_m q5_k_s q5_k_m).",
+        help="GGML type for every weight matrix (f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k iq3_s "
+        "iq4_nl iq4_xs) or a llama.cpp mix (q3_k_m q4_k_s q4_k_m q5_k_s q5_k_m iq4_xs_mix).",
     ),
     method: str = typer.Option(
         "rtn", "--method",
@@ -32,10 +33,17 @@ def export_command(
     seq_len: int = SEQ_LEN_OPT,
     device: str = DEVICE_OPT,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
+    plan: Optional[Path] = typer.Option(
+        None, "--plan", help="Per-tensor GGML types: a plan file (compress allocate -o), or a GGUF sensitivity file with a target below.",
+    ),
+    target_size: Optional[str] = TARGET_SIZE_OPT,
+    target_bpw: Optional[float] = TARGET_BPW_OPT,
+    max_kld: Optional[float] = MAX_KLD_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """Export a llama/mistral/qwen2 checkpoint to a single file that llama.cpp runs (GGUF)."""
     import tempfile
+    from dataclasses import replace
 
     from compress.checkpoints.gguf_source import checkpoint_source
     from compress.errors import CompressError
@@ -61,8 +69,18 @@ def export_command(
     if kind.calibrated and calib is None:
         raise CompressError(f"--method {kind.value} needs calibration text: add --calib PATH")
     check_output(ExportConfig(model, output, target, overwrite))  # before a GGUF input's conversion
+    named = model  # what the file's provenance records, not a GGUF input's scratch conversion
     with progress_bars(not as_json) as progress, tempfile.TemporaryDirectory() as scratch, checkpoint_source(model, progress) as model:
-        config = ExportConfig(model, output, target, overwrite)
+        config = ExportConfig(model, output, target, overwrite, command=command_line(), source=named, method=kind.value)
+        planned = None
+        if plan is not None:
+            from compress.run.plan import PlanSpec, gguf_plan
+
+            spec = PlanSpec(path=plan, target_bpw=target_bpw, target_size=target_size, max_kld=max_kld)
+            planned, types = gguf_plan(model, spec, config)
+            config = replace(config, types=types)
+        elif any(v is not None for v in (target_size, target_bpw, max_kld)):
+            raise CompressError("--target-size/--target-bpw/--max-kld need measurements: pass --plan sensitivity.json from `compress measure`")
         if kind.calibrated:
             from compress.export.calibrated import export_calibrated
             from compress.checkpoints.calibration import CalibrationSpec
@@ -75,17 +93,24 @@ def export_command(
                 imatrix = Path(scratch) / "imatrix.gguf"
                 run_imatrix(ImatrixConfig(model, calib, imatrix, samples, seq_len), progress)
             source = f"collected from {calib}" if calib is not None else None
-            result = export_gguf(ExportConfig(model, output, target, overwrite, imatrix, source), progress)
+            calibration = {"path": str(calib), "samples": samples, "seq_len": seq_len} if calib is not None else None
+            result = export_gguf(replace(config, imatrix=imatrix, imatrix_source=source, calibration=calibration), progress)
     if as_json:
-        print_json(result.to_dict())
+        print_json({**result.to_dict(), **({"plan": planned.to_dict()} if planned is not None else {})})
         return
+    if planned is not None:
+        from compress.cli.measure import plan_summary, plan_table
+
+        data = planned.to_dict()
+        console.print(plan_table(data, f"per-tensor plan from {plan}"))
+        console.print(key_value_table("plan", plan_summary(data)))
     kinds: dict[str, int] = {}
     for t in result.tensors:
         kinds[t.type] = kinds.get(t.type, 0) + 1
     rows = {
         "output": str(result.output),
         "architecture": result.architecture,
-        "type": result.target,
+        "type": result.target if planned is None else f"per-tensor plan ({result.target} for tensors it does not list)",
         "tensors": ", ".join(f"{n} {k}" for k, n in sorted(kinds.items())),
         "file size": human_bytes(result.file_bytes),
         "bits per weight": f"{result.bits_per_weight:.3f}",

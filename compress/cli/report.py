@@ -69,6 +69,9 @@ def report_command(
     y_axis: str = typer.Option("kld", "--y", help="Plot y axis: kld (mean KLD) or ppl (perplexity)."),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="Also run these lm-eval tasks (comma-separated) on every checkpoint."),
     limit: Optional[int] = typer.Option(None, "--limit", help="lm-eval: documents per task."),
+    kv_cache: Optional[str] = typer.Option(
+        None, "--kv-cache", help="Simulate this KV-cache format in every output (fp8, int8, int4, q8_0, q4_0, none; default: each one's calibrated kv_cache).",
+    ),
     device: str = typer.Option("cpu", "--device", help="Compute device: cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print report.json on stdout instead of the table."),
 ) -> None:
@@ -77,7 +80,7 @@ def report_command(
     from compress.eval.report_render import write_report
 
     backend, x, y = _enums(gguf_backend, x_axis, y_axis)
-    protocol = Protocol(text, ctx, stride, batch_size, max_tokens, device)
+    protocol = Protocol(text, ctx, stride, batch_size, max_tokens, device, kv_cache=kv_cache)
     with progress_bars(not as_json) as progress:
         report = evaluate_outputs(outputs, baseline, protocol, backend, progress).to_dict()
         if tasks:

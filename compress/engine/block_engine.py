@@ -18,12 +18,14 @@ import dataclasses
 import logging
 import resource
 import time
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Protocol
 
 import torch
 from torch import nn
 
+from compress.checkpoints.experts import routing_modules
 from compress.checkpoints.shards import ShardedWriter
 from compress.errors import CompressError
 from compress.formats.base import PackedLayer, PackFormat, has_trivial_g_idx
@@ -37,12 +39,39 @@ ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
 LayerFn = Callable[[LayerReport], None]  # called as each layer is finished
 
 
+class BlockObserver(Protocol):
+    """Watches each compressed block compute its outputs on the calibration inputs (`Engine` ``observer``)."""
+
+    name: str  # for messages
+
+    def watch(self, block_name: str, block: nn.Module) -> AbstractContextManager: ...
+
+
 @dataclass
 class Stage:
-    """One method applied to a selection of layers (full names)."""
+    """One method applied to a selection of layers (full names).
+
+    ``overrides`` (a per-layer plan): layers that run another instance of the stage's method, with their
+    own settings; they are grouped and calibrated with the rest, each instance transforming its layers."""
 
     method: Method
     layers: dict[str, nn.Module]
+    overrides: dict[str, Method] = field(default_factory=dict)
+
+    def method_for(self, name: str) -> Method:
+        return self.overrides.get(name, self.method)
+
+    def methods(self) -> list[Method]:
+        """Every instance that runs: the stage's method, then each distinct override."""
+        return list({id(m): m for m in [self.method, *self.overrides.values()]}.values())
+
+    def split(self, layers: dict[str, nn.Module]) -> list[tuple[Method, dict[str, nn.Module]]]:
+        """``layers`` grouped by the instance that transforms them, in their order."""
+        parts: dict[int, tuple[Method, dict[str, nn.Module]]] = {}
+        for name, module in layers.items():
+            method = self.method_for(name)
+            parts.setdefault(id(method), (method, {}))[1][name] = module
+        return list(parts.values())
 
 
 @dataclass
@@ -89,6 +118,18 @@ def _block_output(out) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
 
+def _expert_tokens(block_name: str, routing: dict, collector: StatsCollector) -> dict[str, dict[str, int]]:
+    """Per expert layer of the pass that collected its statistics: the tokens the router sent to its
+    expert, and the tokens its statistics saw (all of them when every expert calibrates on every token)."""
+    counts = {}
+    for prefix, module in routing.items():
+        for relative, routed in module.routed_tokens().items():
+            name = f"{block_name}.{prefix}.{relative}" if prefix else f"{block_name}.{relative}"
+            if name in collector.stats:
+                counts[name] = {"routed_tokens": routed, "calibration_tokens": collector.stats[name].count}
+    return counts
+
+
 def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
@@ -105,11 +146,17 @@ class Engine:
         on_layer: LayerFn | None = None,
         packer: PackFormat | None = None,
         keep_final_hidden: bool = False,
+        observer: BlockObserver | None = None,
+        all_experts: bool = True,
     ):
         """``packer``: the output format that writes each quantized layer's codes (None: dense weights).
         ``keep_final_hidden``: return the compressed last block's outputs on the calibration data (the
-        output layer's inputs, before the final norm), for a caller calibrating the output layer."""
+        output layer's inputs, before the final norm), for a caller calibrating the output layer.
+        ``observer``: watches every compressed block's run on the calibration data (e.g. the KV-cache
+        statistics); with one, calibration inputs are captured even if no method needs them."""
         self.handle = handle
+        self.observer = observer
+        self.all_experts = all_experts  # MoE: calibrate every expert on every token (outputs stay routed)
         self.keep_final_hidden = keep_final_hidden
         self.packer = packer
         self.packed: dict[str, PackedLayer] = {}  # layers written packed, for the format's config
@@ -120,7 +167,7 @@ class Engine:
         self.batch_size = batch_size
         self.progress = progress or (lambda phase, done, total: None)
         self.on_layer = on_layer or (lambda report: None)
-        self.needs_data = any(stage.method.needs for stage in stages)
+        self.needs_data = any(method.needs for stage in stages for method in stage.methods()) or observer is not None
         self._block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
         self._in_blocks = tuple(name + "." for name in self._block_names)
 
@@ -129,11 +176,12 @@ class Engine:
         for stage in self.stages:
             if not stage.layers:
                 raise CompressError(f"method {stage.method.name} selects no layers: check the include/exclude patterns")
-            stage.method.prepare(self.handle.model)
+            for method in stage.methods():
+                method.prepare(self.handle.model)
             for name, module in stage.layers.items():
                 out_features, in_features = get_weight(module).shape
-                stage.method.check_layer(name, out_features, in_features)
-            if stage.method.needs:
+                stage.method_for(name).check_layer(name, out_features, in_features)
+            if any(method.needs for method in stage.methods()):
                 outside = [n for n in stage.layers if not n.startswith(self._in_blocks)]
                 if outside:
                     raise CompressError(
@@ -141,8 +189,9 @@ class Engine:
                         f"only; exclude {outside[0]}"
                     )
         if self.needs_data and calibration is None:
-            names = ", ".join(s.method.name for s in self.stages if s.method.needs)
-            raise CompressError(f"method {names} needs calibration data: pass --calib PATH")
+            names = [s.method.name for s in self.stages if any(m.needs for m in s.methods())]
+            who = f"method {', '.join(names)}" if names else self.observer.name
+            raise CompressError(f"{who} needs calibration data: pass --calib PATH")
 
     # -- 1. inputs of block 0 -------------------------------------------------------------------
     def capture_inputs(self, calibration: torch.Tensor) -> list[tuple[torch.Tensor, tuple, dict]]:
@@ -177,20 +226,30 @@ class Engine:
     def _compress_block(self, index: int, inputs) -> list[LayerReport]:
         block, block_name = self.handle.blocks[index], self._block_names[index]
         reports = []
+        routing = routing_modules(block)
+        for module in routing.values():
+            module.calibrate_all_experts = self.all_experts
         for stage in self.stages:
             layers = {n: m for n, m in stage.layers.items() if n.startswith(block_name + ".")}
             if not layers:
                 continue
             sequential = stage.method.sequential and stage.method.needs
             for group in self._forward_groups(block, layers, inputs[0]) if sequential else [layers]:
-                with StatsCollector(group, stage.method.needs) as collector:
-                    if stage.method.needs:
+                needs = frozenset().union(*(stage.method_for(name).needs for name in group))
+                for module in routing.values():
+                    module.reset_routed_tokens()
+                with StatsCollector(group, needs) as collector:
+                    if needs:
                         self._run_block(block, inputs)
+                stats = collector.results()
+                tokens = _expert_tokens(block_name, routing, collector) if needs else {}
                 replay = lambda: self._run_block(block, inputs)  # noqa: E731 - methods that measure outputs
-                for report in stage.method.transform_block(block, group, collector.results(), replay=replay):
-                    self.on_layer(report)
-                    reports.append(report)
-                self._keep_outcomes(stage.method, group)
+                for method, part in stage.split(group):
+                    for report in method.transform_block(block, part, {n: stats[n] for n in part}, replay=replay):
+                        report.info.update(tokens.get(report.name, {}))
+                        self.on_layer(report)
+                        reports.append(report)
+                    self._keep_outcomes(method, part)
         return reports
 
     def _keep_outcomes(self, method: Method, layers: dict[str, nn.Module]) -> None:
@@ -255,8 +314,9 @@ class Engine:
             block, name = blocks[i], self._block_names[i]
             original = self.handle.materialize(block, name, self.device, self.dtype)
             result.layers += self._compress_block(i, inputs)
-            if self.needs_data and (i + 1 < len(blocks) or self.keep_final_hidden):
-                outputs = self._run_block(block, inputs)
+            if self.needs_data and (i + 1 < len(blocks) or self.keep_final_hidden or self.observer is not None):
+                with self.observer.watch(name, block) if self.observer is not None else nullcontext():
+                    outputs = self._run_block(block, inputs)
                 inputs = [(out, args, kwargs) for out, (_, args, kwargs) in zip(outputs, inputs)]
             self._write_block(writer, name, block, original)
             self.handle.release(block)
@@ -310,7 +370,7 @@ class Engine:
     def _write_outer(self, writer: ShardedWriter) -> list[LayerReport]:
         handle, reports = self.handle, []
         outer_layers = {
-            f"{name}.weight": (stage.method, name, module)
+            f"{name}.weight": (stage.method_for(name), name, module)
             for stage in self.stages
             for name, module in stage.layers.items()
             if not name.startswith(self._in_blocks)

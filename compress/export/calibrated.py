@@ -21,6 +21,7 @@ input checkpoint and nothing else is written. Either way the GGUF file appears o
 from __future__ import annotations
 
 import logging
+import os
 import tempfile
 import time
 from dataclasses import replace
@@ -82,7 +83,7 @@ class _Discard:
 
 def layer_types(model: Path, config: ExportConfig) -> dict[str, GGMLType]:
     """HF linear layer name -> its GGML type, for the block-quantized weights of the export plan."""
-    plan = _tensor_plan(CheckpointReader(model), _read_config(model), config.target)
+    plan = _tensor_plan(CheckpointReader(model), _read_config(model), config.target, config.has_imatrix, config.types)
     return {
         name.removesuffix(".weight"): kind
         for name, _, kind, shape in plan
@@ -103,6 +104,10 @@ def export_calibrated(
         raise CompressError(f"--imatrix is for --method imatrix, not {method.value}: drop it")
     _read_config(config.model)  # a llama-family, unquantized checkpoint, or a clear error
     check_output(config)
+    # GPTQ's grids fitted with the Hessian diagonal as importance count as an imatrix for llama.cpp's mixes
+    config = replace(config, importance_fit=method.solves and (gptq is None or gptq.weighted_fit))
+    # recorded in the file: the AWQ path exports a scaled copy, so the source is named here
+    config = replace(config, source=config.source or config.model, method=method.value, calibration=calibration.model_dump(mode="json"))
     handle = open_model(config.model)
     types = layer_types(config.model, config)
     blocks = [handle.block_name(i) for i in range(len(handle.blocks))]
@@ -134,7 +139,7 @@ def export_calibrated(
         result = export_gguf(config, progress, encoded=encoded)
     else:  # the scaled checkpoint, written next to the output and exported from there
         config.output.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryDirectory(dir=config.output.parent, prefix=f".{config.output.name}.awq-") as scratch:
+        with tempfile.TemporaryDirectory(dir=config.output.parent, prefix=f".{config.output.name}.awq-{os.getpid()}-") as scratch:
             writer = ShardedWriter(Path(scratch))
             run = run_engine(writer)
             writer.close()

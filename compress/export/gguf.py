@@ -16,14 +16,19 @@ rounded by ggml's importance-weighted quantizers (``llama-quantize --imatrix``),
 ``quantize.imatrix.*`` as llama-quantize does. ``encoded`` hands in tensors already in their GGUF type
 (GPTQ's result, `compress.export.calibrated`): they are written as they are (Q/K rows permuted).
 
-The file is written under a temporary name next to the output and renamed when complete.
+The file is written under a temporary name next to the output and renamed when complete, while the
+output's lock is held (`OutputLock`); its provenance (tool version, command, settings, SHA-256 of the
+inputs) is embedded as ``llm_compress.record``, and the SHA-256 of the file and of each tensor go to the
+sidecar ``<file>.manifest.json`` (`compress.checkpoints.integrity`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import json
 import logging
+import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -33,7 +38,10 @@ from typing import Callable, Mapping
 import numpy as np
 import torch
 
-from compress.checkpoints.output import check_outside_input
+from compress import __version__
+from compress.checkpoints.integrity import sidecar_manifest, write_file_manifest
+from compress.checkpoints.model_io import open_model
+from compress.checkpoints.output import OutputLock, check_outside_input, disk_error, run_inputs
 from compress.checkpoints.shards import CheckpointReader
 from compress.errors import CompressError
 from compress.formats.gguf import plan
@@ -80,6 +88,20 @@ class ExportConfig:
     overwrite: bool = False
     imatrix: Path | None = None  # llama.cpp imatrix GGUF: importance-weighted rounding, as llama-quantize --imatrix
     imatrix_source: str | None = None  # recorded as quantize.imatrix.file instead of the path (a collected, temporary one)
+    importance_fit: bool = False  # the grids are fitted with importance weights without --imatrix (GPTQ's Hessian)
+    # Provenance, embedded in the file (PROVENANCE_KEY): the command, the model the user named (a GGUF input's
+    # conversion is ``model``), the rounding method and its calibration settings (with ``path``: its text).
+    command: str | None = None
+    source: Path | None = None
+    method: str = "rtn"
+    calibration: Mapping | None = None
+    # A per-tensor plan (`compress allocate`): GGUF tensor name -> the type it is written in, over ``target``'s.
+    types: Mapping[str, GGMLType] | None = None
+
+    @property
+    def has_imatrix(self) -> bool:
+        """llama.cpp's ``has_imatrix``: some mixes (iq4_xs_mix) give more bits to tensors without one."""
+        return self.imatrix is not None or self.importance_fit
 
     def __post_init__(self):
         if not isinstance(self.target, Target):
@@ -174,8 +196,16 @@ def _shape(reader: CheckpointReader, name: str) -> list[int]:
     return list(entry[1]["shape"]) if entry else list(reader.get(name).shape)
 
 
-def _tensor_plan(reader: CheckpointReader, config: dict, target: Target) -> list[tuple[str, str, GGMLType, list[int]]]:
-    """(hf name, gguf name, type, torch shape) for every tensor to write, in llama.cpp's order."""
+def _gqa(config: dict) -> int:
+    heads = config["num_attention_heads"]
+    return heads // (config.get("num_key_value_heads") or heads)
+
+
+def _tensor_plan(
+    reader: CheckpointReader, config: dict, target: Target, has_imatrix: bool = False, types: Mapping[str, GGMLType] | None = None,
+) -> list[tuple[str, str, GGMLType, list[int]]]:
+    """(hf name, gguf name, type, torch shape) for every tensor to write, in llama.cpp's order; ``types``
+    (GGUF name -> type, already fitted to the row length) overrides ``target``'s choice per tensor."""
     shapes = {}
     for name in reader.names():
         gname = plan.gguf_name(name)
@@ -190,7 +220,10 @@ def _tensor_plan(reader: CheckpointReader, config: dict, target: Target) -> list
     n_layers = config["num_hidden_layers"]
     entries = []
     for name, (gname, shape) in shapes.items():
-        entries.append((name, gname, plan.tensor_type(target, gname, tuple(shape), n_layers, tied), shape))
+        kind = plan.tensor_type(target, gname, tuple(shape), n_layers, tied, n_gqa=_gqa(config), has_imatrix=has_imatrix)
+        if types and gname in types:
+            kind = types[gname]
+        entries.append((name, gname, kind, shape))
 
     def order(entry):
         g = entry[1]
@@ -199,6 +232,56 @@ def _tensor_plan(reader: CheckpointReader, config: dict, target: Target) -> list
         return (0 if g.startswith("token_embd") else 2, 0, g)
 
     return sorted(entries, key=order)
+
+
+PROVENANCE_KEY = "llm_compress.record"  # JSON: tool version, command, settings, SHA-256 of the inputs
+
+
+def provenance(config: ExportConfig) -> dict:
+    """What made the file, as `compress.run` records it in config.json: known before any tensor is written,
+    so it is embedded in the GGUF metadata; no clock time, so the same command writes the same bytes."""
+    calibration = dict(config.calibration) if config.calibration else None
+    texts = {
+        "calibration": Path(calibration["path"]) if calibration and calibration.get("path") else None,
+        "imatrix": config.imatrix if config.imatrix_source is None else None,  # a collected one is a scratch file
+    }
+    return {
+        "tool": "llm-compress", "tool_version": __version__, "source_model": str(config.source or config.model),
+        "type": config.target.value, "method": config.method, "calibration": calibration,
+        "inputs": run_inputs(config.source or config.model, **texts), **({"command": config.command} if config.command else {}),
+    }
+
+
+@contextlib.contextmanager
+def _guarded_output(out: Path, overwrite: bool):
+    """Around the atomic GGUF writer: the output's lock (another run writing it is an error; temporary files
+    of killed runs are reported), a full disk as a one-line error, and the sidecar manifest. Yields the
+    writer's ``finish`` hook: it writes the manifest of the complete temporary file (and removes the old
+    file's), so the manifest never describes another file than the one renamed into place."""
+    lock = OutputLock(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    lock.acquire()
+    if out.exists() and not overwrite:  # written by another run while this one was working
+        lock.release()
+        raise CompressError(f"{out} exists: pass --overwrite to replace it, or choose another -o")
+    manifest = sidecar_manifest(out)
+    pending = out.with_name(f".{out.name}.tmp-{os.getpid()}.manifest.json")
+
+    def finish(tmp: Path) -> None:
+        write_file_manifest(tmp, out.name, pending)
+        manifest.unlink(missing_ok=True)  # a kill before the rename below leaves no manifest, not a wrong one
+
+    try:
+        yield finish
+        os.replace(pending, manifest)
+    except OSError as exc:
+        error = disk_error(out, exc)
+        if error is None:
+            raise
+        raise error from None
+    finally:
+        pending.unlink(missing_ok=True)
+        lock.release()
 
 
 def check_output(config: ExportConfig) -> None:
@@ -224,13 +307,14 @@ def export_gguf(
     out = config.output
     check_output(config)
     encoded = encoded or {}
-    reader = CheckpointReader(config.model)
-    entries = _tensor_plan(reader, hf, config.target)
+    reader = open_model(config.model).reader  # config.json's sizes checked against the weights' shapes first
+    entries = _tensor_plan(reader, hf, config.target, config.has_imatrix, config.types)
     imatrix = read_imatrix(config.imatrix) if config.imatrix is not None else None
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     result = ExportResult(out, config.target.value, arch)
-    with atomic_gguf_writer(out, arch) as writer:
+    with _guarded_output(out, config.overwrite) as finish, atomic_gguf_writer(out, arch, finish) as writer:
         _add_metadata(writer, arch, hf, config.target)
+        writer.add_string(PROVENANCE_KEY, json.dumps(provenance(config), sort_keys=True))
         vocab = add_vocab(writer, config.model, hf["vocab_size"])
         result.notes.extend(vocab.notes)
         if imatrix is not None:  # the keys llama-quantize records
@@ -242,7 +326,10 @@ def export_gguf(
         tied = all(gname != "output.weight" for _, gname, _, _ in entries)
         for _, gname, kind, shape in entries:
             cols = shape[-1]
-            intended = plan.intended_type(config.target, gname, tuple(shape), hf["num_hidden_layers"], tied)
+            intended = plan.intended_type(config.target, gname, tuple(shape), hf["num_hidden_layers"], tied,
+                                          n_gqa=_gqa(hf), has_imatrix=config.has_imatrix)
+            if config.types and gname in config.types:
+                intended = kind  # planned per tensor: the plan chose what its row length takes
             if intended != kind:
                 result.fallbacks.append({"tensor": gname, "planned": intended.name, "written": kind.name, "row_length": cols})
             rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1

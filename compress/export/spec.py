@@ -43,7 +43,7 @@ def export_from_spec(
     model: Path, spec: ExportSpec, progress: Callable[[str, int, int], None] | None = None, calibration=None, device: str = "cpu"
 ) -> ExportResult:
     """``calibration``: the recipe's `CalibrationSpec`, for the calibrated methods."""
-    config = ExportConfig(model, spec.path, spec.type, spec.overwrite, spec.imatrix)
+    config = ExportConfig(model, spec.path, spec.type, spec.overwrite, spec.imatrix, method=spec.method.value)
     if not spec.method.calibrated:
         return export_gguf(config, progress)
     if calibration is None:

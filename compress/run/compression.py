@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 from dataclasses import asdict, dataclass, field
@@ -11,6 +10,8 @@ from typing import Any
 
 from compress import __version__
 from compress.checkpoints.calibration import load_calibration
+from compress.checkpoints.conversion import RenamingWriter
+from compress.checkpoints.experts import expert_layers
 from compress.checkpoints.shards import ShardedWriter
 from compress.engine.block_engine import Engine, EngineResult, LayerFn, ProgressFn, Stage
 from compress.eval.perplexity import EvalResult
@@ -19,8 +20,11 @@ from compress.checkpoints.loading import load_tokenizer, resolve_device
 from compress.eval.checkpoint import evaluate_checkpoint
 from compress.formats.packers import make_format
 from compress.checkpoints.model_io import get_weight, open_model, quantizable_layers
-from compress.checkpoints.output import OutputDir, copy_side_files, dir_size, write_config, write_layer_report, write_model_card
+from compress.checkpoints.output import OutputDir, copy_side_files, dir_size, run_inputs, write_config, write_layer_report, write_model_card
+from compress.run.kv_cache import kv_observer, store_kv_scales, with_kv_cache_scheme
+from compress.run.plan import apply_plans
 from compress.run.recipe import Recipe, StageSpec
+from compress.run.reshape import check_reshaping_stages, run_reshaping
 
 log = logging.getLogger(__name__)
 
@@ -33,6 +37,7 @@ class RunResult:
     output_bytes: int
     evaluation: EvalResult | None = None
     notes: list[str] = field(default_factory=list)  # choices the run made for the user (e.g. group size auto)
+    plans: list[dict[str, Any]] = field(default_factory=list)  # per-layer plans the stages ran (with predicted KLD)
 
     def to_dict(self) -> dict[str, Any]:
         layers = [asdict(r) for r in self.engine.layers]
@@ -47,6 +52,7 @@ class RunResult:
             "output_bytes": self.output_bytes,
             "evaluation": self.evaluation.to_dict() if self.evaluation else None,
             "notes": self.notes,
+            "plans": self.plans,
         }
 
 
@@ -93,16 +99,51 @@ def _record(recipe: Recipe, command: str | None, methods: list) -> dict[str, Any
         "format": "dense",  # replaced by the packed format's name when any layer is stored packed
         "stages": stages,
         "calibration": cal.model_dump(mode="json") if cal else None,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "inputs": run_inputs(recipe.source_model, calibration=cal and cal.path, evaluation=recipe.evaluation and recipe.evaluation.text),
         **({"command": command} if command else {}),
-    }
+    }  # no clock time: the same command on the same inputs writes the same bytes
 
 
 def _dense_linears(handle, packed) -> list[str]:
-    """Every Linear layer of the model not stored packed (loaders must leave them dense)."""
+    """Every Linear layer of the model not stored packed (loaders must leave them dense), by its on-disk name
+    (vLLM's) and, where transformers renames it (GPT-NeoX's ``embed_out`` is its ``lm_head``), its model name."""
     from torch import nn
 
-    return [n for n, m in handle.model.named_modules() if isinstance(m, nn.Linear) and n not in packed]
+    names = [n for n, m in handle.model.named_modules() if isinstance(m, nn.Linear) and n not in packed]
+    return sorted({handle.names.disk_module(n) if handle.names else n for n in names} | set(names))
+
+
+def check_expert_packing(experts: list[str], stages: list[Stage], packing: bool) -> None:
+    """A packed output of an MoE model must pack every expert as weight-only symmetric integer codes: that is all
+    transformers' compressed-tensors loader dequantizes into its fused experts (it fails on dense, W8A8 int8 or
+    asymmetric experts). Checked before any work."""
+    if not packing or not experts:
+        return
+    quantizing = [s for s in stages if s.method.record().get("bits") is not None or s.method.record().get("activations")]
+    if not quantizing:
+        return  # pruning only: a dense output, which transformers loads
+    for stage in quantizing:
+        record, selected = stage.method.record(), [n for n in experts if n in stage.layers]
+        problem = "int8 W8A8 (int-quantized)" if record.get("activations") else (
+            "asymmetric" if record.get("symmetric") is False else None)
+        if selected and problem:
+            raise CompressError(
+                f"{stage.method.name}: MoE expert layers such as {selected[0]} would be stored {problem}, which transformers' "
+                "compressed-tensors loader cannot read into its fused experts (it dequantizes weight-only symmetric ones): "
+                "write --format fake, or exclude the experts with --exclude experts and quantize them in a weight-only stage"
+            )
+    covered = set().union(*(stage.layers for stage in quantizing))
+    dense = [n for n in experts if n not in covered]
+    if dense:
+        raise CompressError(
+            f"MoE expert layers such as {dense[0]} are left dense beside packed layers, which transformers' compressed-tensors "
+            "loader cannot read (it dequantizes only packed experts): quantize every expert, or write --format fake"
+        )
+
+
+def _packed_on_disk(handle, packed: dict) -> dict:
+    """The packed layers by on-disk name, as the checkpoint stores them (per-expert names for MoE experts)."""
+    return {handle.names.disk_module(n) if handle.names else n: layer for n, layer in packed.items()}
 
 
 def _write_quantization_config(directory: Path, quantization_config: dict[str, Any]) -> None:
@@ -117,6 +158,10 @@ def run_stages(
 ) -> RunResult:
     """Compress ``recipe.model`` by its stages and write ``recipe.output.path`` atomically (then evaluate
     and export it, as the recipe says)."""
+    reshaping = check_reshaping_stages(recipe, recipe.methods())
+    if reshaping is not None:  # structured pruning: a new checkpoint of other shapes, not the block engine
+        engine, input_bytes, evaluation, notes = run_reshaping(recipe, reshaping, _record(recipe, command, [reshaping]), progress)
+        return RunResult(recipe.output.path, engine, input_bytes, dir_size(recipe.output.path), evaluation, notes)
     device = resolve_device(recipe.device.value)
     handle = open_model(recipe.model, recipe.trust_remote_code)
     if getattr(handle.config, "quantization_config", None):
@@ -132,9 +177,13 @@ def run_stages(
         Stage(method, quantizable_layers(handle.model, block_names, spec.include, spec.exclude))
         for spec, method in zip(recipe.stages, recipe.methods())
     ]
+    check_expert_packing(expert_layers(handle.model), stages, packer is not None)
+    plans = apply_plans(recipe.stages, stages, handle)  # per-layer settings: stages[i].overrides
     cal = recipe.calibration
+    observer = kv_observer(recipe)  # calibrated KV-cache scales, collected on the engine's block runs
     engine = Engine(
-        handle, stages, device, batch_size=cal.batch_size if cal else 8, progress=progress, on_layer=on_layer, packer=packer
+        handle, stages, device, batch_size=cal.batch_size if cal else 8, progress=progress, on_layer=on_layer, packer=packer,
+        observer=observer, all_experts=cal.all_experts if cal else True,
     )
     calibration = None
     if cal is not None:  # loaded even when unused, so a bad calibration set fails early and clearly
@@ -145,32 +194,44 @@ def run_stages(
 
     with output as tmp:
         writer = ShardedWriter(tmp, recipe.output.shard_size_mb << 20)
+        if handle.names is not None:  # tensors under the checkpoint's on-disk names (transformers' layout)
+            writer = RenamingWriter(writer, handle.names)
         result = engine.run(writer, calibration)
+        kv_scheme = store_kv_scales(observer, writer, handle.config)
         writer.close()
         copy_side_files(recipe.model, tmp)
         write_layer_report(tmp, result.layers)
         record = _record(recipe, command, [stage.method for stage in stages])
+        for index, plan in plans:
+            record["stages"][index]["plan"] = plan.to_dict()
         if engine.packed:
             record["format"] = packer.name
+        if observer is not None:
+            record["kv_cache"] = observer.record()
         write_config(recipe.model, tmp, record)
-        if engine.packed:
-            _write_quantization_config(tmp, packer.config(engine.packed, _dense_linears(handle, engine.packed)))
+        qc = packer.config(_packed_on_disk(handle, engine.packed), _dense_linears(handle, engine.packed)) if engine.packed else None
+        qc = with_kv_cache_scheme(qc, kv_scheme, _dense_linears(handle, engine.packed))
+        if qc is not None:
+            _write_quantization_config(tmp, qc)
         evaluation = None
         figures: dict[str, Any] = {}
         if recipe.evaluation is not None:
             ev = recipe.evaluation
             on_batch = (lambda d, t: progress("evaluation", d, t)) if progress else None
             evaluation = evaluate_checkpoint(
-                tmp, ev.text, ev.ctx, ev.stride, ev.batch_size, recipe.model, recipe.device.value, ev.max_tokens, on_batch
+                tmp, ev.text, ev.ctx, ev.stride, ev.batch_size, recipe.model, recipe.device.value, ev.max_tokens, on_batch,
+                kv_cache=ev.kv_cache,
             )
             figures = {
                 f"perplexity on `{ev.text.name}` (ctx {ev.ctx})": f"{evaluation.perplexity:.4f}",
                 "original model's perplexity": f"{evaluation.ref_perplexity:.4f}",
                 "mean KLD vs original": f"{evaluation.kld:.5f}",
+                **({"KV cache simulated": evaluation.kv_cache} if evaluation.kv_cache else {}),
             }
         write_model_card(tmp, recipe.output.path.name, record, figures)
     if recipe.export is not None:  # the finished checkpoint, also as one GGUF file
         from compress.export.spec import export_from_spec
 
         export_from_spec(recipe.output.path, recipe.export, progress, recipe.calibration, recipe.device.value)
-    return RunResult(recipe.output.path, result, handle.reader.total_bytes(), dir_size(recipe.output.path), evaluation, notes)
+    return RunResult(recipe.output.path, result, handle.reader.total_bytes(), dir_size(recipe.output.path), evaluation, notes,
+                     [{"stage": index + 1, **plan.to_dict()} for index, plan in plans])

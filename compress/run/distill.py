@@ -9,7 +9,6 @@ only the main one compresses, evaluates and writes.
 
 from __future__ import annotations
 
-import datetime as dt
 import json
 import logging
 import shutil
@@ -22,13 +21,14 @@ import torch
 
 from compress import __version__
 from compress.checkpoints.calibration import load_calibration_text
-from compress.distill.config import DistillSpec, StudentSpec
+from compress.distill.config import DistillSpec, Objective, StudentSpec
+from compress.distill.draft_data import cached_sequences, teacher_sequences
 from compress.distill.student import build_student, sparsity_masks
 from compress.distill.train import StepLog, make_accelerator, token_windows, train
 from compress.errors import CompressError
 from compress.eval.perplexity import EvalResult, evaluate
 from compress.checkpoints.loading import _quiet_transformers, load_model, load_tokenizer, read_eval_text
-from compress.checkpoints.output import OutputDir, dir_size, write_config, write_model_card
+from compress.checkpoints.output import OutputDir, dir_size, run_inputs, write_config, write_model_card
 from compress.run.compression import run_stages
 
 log = logging.getLogger(__name__)
@@ -88,7 +88,7 @@ def _evaluate(model, teacher, ids: torch.Tensor | None, ev, device, label: str, 
 
 
 def _record(teacher: Path, spec: DistillSpec, processes: int, command: str | None) -> dict[str, Any]:
-    settings = spec.model_dump(mode="json", exclude={"student", "resume", "checkpoint_dir", "save_every", "eval_max_tokens"})
+    settings = spec.model_dump(mode="json", exclude={"student", "resume", "checkpoint_dir", "save_every", "eval_max_tokens", "draft_cache"})
     student = spec.student.model_dump(mode="json", exclude_none=True) if spec.student else None
     return {
         "tool": "llm-compress",
@@ -97,7 +97,7 @@ def _record(teacher: Path, spec: DistillSpec, processes: int, command: str | Non
         "format": "dense",
         "stages": [{"method": "distill", "teacher": str(teacher), "student": student, "processes": processes, **settings}],
         "calibration": None,
-        "created": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "inputs": run_inputs(teacher, training=spec.data),
         **({"command": command} if command else {}),
     }
 
@@ -125,13 +125,21 @@ def run_distill(
         raise CompressError(f"output {output.path} is the student checkpoint: choose another output directory")
     checkpoint_dir = spec.checkpoint_dir or output.path.parent / f"{output.path.name}-checkpoints"
     tokenizer = load_tokenizer(teacher_dir)
-    windows = token_windows(tokenizer, load_calibration_text(spec.data), spec.seq_len)
+    text = load_calibration_text(spec.data)
+    windows = token_windows(tokenizer, text, spec.seq_len) if spec.objective is Objective.kd else None
     eval_ids = None
     if evaluation is not None and main:
         ids = tokenizer(read_eval_text(evaluation.text), add_special_tokens=False, verbose=False)["input_ids"]
         limit = evaluation.max_tokens or spec.eval_max_tokens
         eval_ids = torch.tensor(ids[:limit] if limit else ids, dtype=torch.long)
     teacher = load_model(teacher_dir, torch.device("cpu"), trust_remote_code=trust_remote_code)
+    if windows is None:  # the draft objective trains on the teacher's own sequences (generated once, cached)
+        cache = spec.draft_cache or output.path.parent / f"{output.path.name}-draft-data"
+        if main:
+            tokens = torch.tensor(tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"], dtype=torch.long)
+            teacher_sequences(teacher.to(accelerator.device), teacher_dir, tokens, spec, cache, progress)
+        accelerator.wait_for_everyone()
+        windows = cached_sequences(cache, spec)
     student, side_dir = build_student(teacher, teacher_dir, spec.student, trust_remote_code)
     masks = sparsity_masks(student) if spec.keep_masks else {}
     dev = accelerator.device

@@ -10,6 +10,7 @@ stages:
     exclude: ["mlp\\.down_proj"]   # optional include/exclude regexes on layer names
 output: {path: out/model-rtn-w4g128, overwrite: false, format: compressed-tensors}  # or gptq, fake
 evaluation: {text: eval.txt, ctx: 512}                                 # optional: ppl and KLD after the run
+kv_cache: {format: fp8, strategy: tensor}   # optional: calibrated KV-cache scales (k_scale/v_scale; fp8 or int8)
 ```
 
 Unknown keys and bad values are errors naming the YAML line and the valid keys.
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import enum
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
@@ -29,8 +30,12 @@ from compress.errors import CompressError
 from compress.export.spec import ExportSpec
 from compress.checkpoints.calibration import CalibrationSpec
 from compress.formats.base import OutputFormat
+from compress.quantizers.kv_cache import KVCacheFormat
+from compress.engine.kv_calibration import KVCacheSpec
 from compress.engine.methods.base import Method
+from compress.engine.methods.schemes import SchemeName, expand_scheme
 from compress.engine.registry import method_class
+from compress.run.plan import PlanSpec, check_plan_method
 
 
 class Device(str, enum.Enum):
@@ -47,11 +52,16 @@ class StageSpec(BaseModel):
 
     model_config = ConfigDict(extra="allow")
     method: str
+    scheme: SchemeName | None = Field(None, description="a named scheme (fp8-dynamic, nvfp4, ...): expands to the method's settings")
     include: list[str] = Field(default_factory=list)
     exclude: list[str] = Field(default_factory=list)
+    plan: PlanSpec | None = Field(None, description="per-layer settings: a plan file, inline layers, or a sensitivity file and a target")
 
     def method_config(self) -> dict[str, Any]:
-        return dict(self.model_extra or {})
+        settings = dict(self.model_extra or {})
+        if self.scheme is None:
+            return settings
+        return expand_scheme(self.scheme, self.method, settings, set(method_class(self.method).Config.model_fields))
 
     def build(self) -> Method:
         cls = method_class(self.method)
@@ -74,6 +84,9 @@ class EvaluationSpec(_Strict):
     stride: int | None = Field(None, ge=1)
     batch_size: int = Field(8, ge=1)
     max_tokens: int | None = Field(None, ge=2, description="evaluate only the first N tokens of the text")
+    kv_cache: KVCacheFormat | Literal["none"] | None = Field(
+        None, description="KV-cache format simulated in the attention (default: the output's calibrated kv_cache, if any)"
+    )
 
 
 class Recipe(_Strict):
@@ -86,6 +99,7 @@ class Recipe(_Strict):
     trust_remote_code: bool = False
     distill: DistillSpec | None = None  # after the stages (if any): distil into the compressed model
     export: ExportSpec | None = None  # after the run: also write the output checkpoint as one GGUF file
+    kv_cache: KVCacheSpec | None = None  # calibrate and store static KV-cache scales (needs calibration)
 
     _source: Path | None = PrivateAttr(None)  # the GGUF file ``model`` was converted from, if any
 
@@ -147,19 +161,31 @@ def parse_recipe(data: Any, source: str = "recipe", lines: dict[tuple, int] | No
         message = _describe(exc, ())
         if err["type"] == "extra_forbidden":
             owner = {(): Recipe, ("calibration",): CalibrationSpec, ("output",): OutputSpec, ("evaluation",): EvaluationSpec,
-                     ("distill",): DistillSpec, ("export",): ExportSpec}
+                     ("distill",): DistillSpec, ("export",): ExportSpec, ("kv_cache",): KVCacheSpec}
             model = owner.get(loc[:-1])
             if model is not None:
                 message += f": valid keys are {_valid_keys(model)}"
         raise CompressError(f"{source}{_at_line(lines, loc)}: {message}") from None
-    if not recipe.stages and recipe.distill is None:
-        raise CompressError(f"{source}{_at_line(lines, ('stages',))}: stages: give at least one stage (or a distill section)")
+    if not recipe.stages and recipe.distill is None and recipe.kv_cache is None:
+        raise CompressError(f"{source}{_at_line(lines, ('stages',))}: stages: give at least one stage (or a distill or kv_cache section)")
+    if recipe.kv_cache is not None:
+        _check_kv_cache(recipe, source, lines)
     for index, stage in enumerate(recipe.stages):
         _check_stage(stage, index, source, lines)
     if recipe.export is not None and recipe.export.method.calibrated and recipe.calibration is None:
         where = _at_line(lines, ("export", "method"))
         raise CompressError(f"{source}{where}: export.method {recipe.export.method.value} needs calibration data: add a calibration section")
     return recipe
+
+
+def _check_kv_cache(recipe: Recipe, source: str, lines: dict[tuple, int]) -> None:
+    where = _at_line(lines, ("kv_cache",))
+    if recipe.calibration is None:
+        raise CompressError(f"{source}{where}: kv_cache calibrates its scales: add a calibration section (--calib PATH)")
+    if recipe.output.format == OutputFormat.gptq:
+        raise CompressError(f"{source}{where}: kv_cache scales are stored in compressed-tensors' kv_cache_scheme: use format compressed-tensors")
+    if recipe.distill is not None:
+        raise CompressError(f"{source}{where}: kv_cache with distill is not supported: calibrate the distilled model's KV cache in a second run")
 
 
 def _check_stage(stage: StageSpec, index: int, source: str, lines: dict[tuple, int]) -> None:
@@ -170,14 +196,21 @@ def _check_stage(stage: StageSpec, index: int, source: str, lines: dict[tuple, i
         raise CompressError(f"{source}{_at_line(lines, ('stages', index, 'method'))}: stage {index + 1}: {exc}") from None
     try:
         cls.Config(**stage.method_config())
+    except CompressError as exc:  # a scheme the method cannot take
+        raise CompressError(f"{source}{_at_line(lines, ('stages', index, 'scheme'))}: stage {index + 1}: {exc}") from None
     except ValidationError as exc:
         err = exc.errors()[0]
         key = err["loc"][0] if err["loc"] else "method"
         message = _describe(exc, ())
         if err["type"] == "extra_forbidden":
-            message += f": {stage.method} takes {', '.join(['include', 'exclude', *cls.Config.model_fields])}"
+            message += f": {stage.method} takes {', '.join(['include', 'exclude', 'plan', *cls.Config.model_fields])}"
         where = _at_line(lines, ("stages", index, key))
         raise CompressError(f"{source}{where}: stage {index + 1} ({stage.method}): {message}") from None
+    if stage.plan is not None:
+        try:
+            check_plan_method(cls)
+        except CompressError as exc:
+            raise CompressError(f"{source}{_at_line(lines, ('stages', index, 'plan'))}: stage {index + 1}: {exc}") from None
 
 
 def _at_line(lines: dict[tuple, int], loc: tuple) -> str:

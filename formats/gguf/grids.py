@@ -1,13 +1,19 @@
-"""A GGUF block type seen as a per-weight affine grid, for solvers that choose the codes themselves.
+"""A GGUF block type seen as a per-weight grid, for solvers that choose the codes themselves.
 
 Every quantized block type stores, per block of B weights, a grid (scales, and mins or an implicit zero)
-and integer codes in the codec's ``CODES = (lo, hi)``, and its decoder is affine in the code:
-``x = step·q − offset`` with ``step`` and ``offset`` per weight (Q4_K: ``d·sc_j`` and ``dmin·m_j`` of the
-weight's sub-block; Q3_K: ``d·sc_j`` and ``4·d·sc_j``; Q8_0: ``d`` and 0). `fit` picks the grids with the
-codec's own encoder (ggml's reference fit, or its importance-weighted fit) and reads them back from the
-bytes, so they are exactly what the file stores; ``step``/``offset`` are read off the decoder at codes 0
-and 1, so no type's algebra is repeated here. `pack` writes those grids with codes chosen elsewhere
-(GPTQ's error-feedback rounding, `compress.quantizers.gguf_gptq`).
+and integer codes in the codec's ``CODES = (lo, hi)``, and its decoder is ``x = step·level(q) − offset``
+with ``step`` and ``offset`` per weight. For the affine types the level is the code itself (Q4_K:
+``step = d·sc_j``, ``offset = dmin·m_j``; Q3_K: ``d·sc_j`` and ``4·d·sc_j``; Q8_0: ``d`` and 0); the
+non-uniform types (IQ4_NL, IQ4_XS) name their codebook ``LEVELS`` (the value of each code) and have no
+offset: ``x = step·LEVELS[q]``. `fit` picks the grids with the codec's own encoder (ggml's reference fit,
+or its importance-weighted fit) and reads them back from the bytes, so they are exactly what the file
+stores; ``step``/``offset`` are read off the decoder (affine: at codes 0 and 1; codebook: at the code
+whose level is 1), so no type's algebra is repeated here. `pack` writes those grids with codes chosen
+elsewhere (GPTQ's error-feedback rounding, `compress.quantizers.gguf_gptq`).
+
+The lattice types (IQ3_S) code a group of ``GROUP`` weights at once: `LatticeGrid` holds each weight's
+step and the codec's ``codebook()`` of points (magnitudes, ``[P, GROUP]``); each weight has a free sign, so
+a group decodes to ``step·point·(±1)``. `fit` returns one for them and `pack_lattice` writes chosen points.
 
 Shapes: blocks ``[N, B]`` float32; ``step``/``offset`` ``[N, B]``; codes ``[N, B]`` integers.
 """
@@ -31,24 +37,61 @@ class BlockGrid:
     offset: np.ndarray  # [N, B]: subtracted; code q decodes to step·q − offset
     lo: int
     hi: int
+    levels: np.ndarray | None = None  # codebook types: float32 value of each code lo..hi; None: the code
+
+    def values(self, codes: np.ndarray) -> np.ndarray:
+        """The weights ``codes [N, B]`` decode to on this grid."""
+        level = codes if self.levels is None else self.levels[np.asarray(codes) - self.lo]
+        return self.step * level - self.offset
 
     def codes(self, x: np.ndarray) -> np.ndarray:
-        """Nearest codes for ``x [N, B]`` on this grid (lo where a step is 0: every code decodes alike)."""
+        """Nearest codes for ``x [N, B]`` on this grid (lo where a step is 0: every code decodes alike;
+        between two codebook levels a tie takes the upper, as ggml's ``best_index_int8``)."""
         dead = self.step == 0
-        q = np.rint((x + self.offset) / np.where(dead, 1, self.step))
-        return np.where(dead, self.lo, np.clip(q, self.lo, self.hi)).astype(np.int32)
+        t = (x + self.offset) / np.where(dead, 1, self.step)
+        if self.levels is None:
+            q = np.clip(np.rint(t), self.lo, self.hi)
+        else:
+            q = self.lo + np.searchsorted(midpoints(self.levels), t, side="right")
+        return np.where(dead, self.lo, q).astype(np.int32)
+
+
+def midpoints(levels: np.ndarray) -> np.ndarray:
+    """The decision boundaries of nearest-level rounding on a sorted codebook, ``[n_levels − 1]``."""
+    return (levels[:-1] + levels[1:]) / 2
+
+
+@dataclass(frozen=True)
+class LatticeGrid:
+    kind: GGMLType
+    grid: Any  # the codec's own grid object
+    step: np.ndarray  # [N, B]: each weight's scale (0: the block decodes to 0 whatever the point)
+    points: np.ndarray  # [P, group] float32: the codebook's magnitudes
+
+    @property
+    def group(self) -> int:
+        return self.points.shape[1]
+
+
+def is_lattice(kind: GGMLType) -> bool:
+    return hasattr(CODECS.get(kind), "codebook")
 
 
 def is_block_quantized(kind: GGMLType) -> bool:
     """True for the types with codes and grids (not F32/F16/BF16)."""
-    return hasattr(CODECS.get(kind), "CODES")
+    return hasattr(CODECS.get(kind), "CODES") or is_lattice(kind)
 
 
-def fit(kind: GGMLType, blocks: np.ndarray, importance: np.ndarray | None = None, row_sigma2: np.ndarray | None = None) -> BlockGrid:
+def fit(
+    kind: GGMLType, blocks: np.ndarray, importance: np.ndarray | None = None, row_sigma2: np.ndarray | None = None
+) -> BlockGrid | LatticeGrid:
     """The grid ``kind``'s encoder chooses for ``blocks [N, B]``; with ``importance [N, B]`` (and, for
     the legacy types, each block's row mean square ``row_sigma2 [N, 1]``) its importance-weighted fit."""
     codec = CODECS[kind]
     blocks = np.ascontiguousarray(blocks, dtype=np.float32)
+    if is_lattice(kind):
+        grid = codec.fit_grid(blocks, None if importance is None else np.ascontiguousarray(importance, dtype=np.float32))
+        return LatticeGrid(kind, grid, np.repeat(grid.scale(), blocks.shape[1] // grid.scale().shape[1], axis=1), codec.codebook())
     if importance is not None and hasattr(codec, "encode_weighted"):
         if row_sigma2 is None:
             row_sigma2 = np.mean(blocks * blocks, axis=1, keepdims=True, dtype=np.float32)
@@ -58,6 +101,11 @@ def fit(kind: GGMLType, blocks: np.ndarray, importance: np.ndarray | None = None
     grid, _ = codec.unpack(data)
     lo, hi = codec.CODES
     zeros = np.zeros(blocks.shape, dtype=np.int8 if lo < 0 else np.uint8)
+    levels = getattr(codec, "LEVELS", None)
+    if levels is not None:  # x = step·LEVELS[q]: the step is the decode of the code whose level is 1
+        unit = lo + int(np.flatnonzero(levels == 1)[0])
+        step = codec.decode(codec.pack(grid, zeros + unit))
+        return BlockGrid(kind, grid, step, np.zeros_like(step), lo, hi, levels)
     at_zero = codec.decode(codec.pack(grid, zeros))
     at_one = codec.decode(codec.pack(grid, zeros + 1))
     return BlockGrid(kind, grid, at_one - at_zero, -at_zero, lo, hi)
@@ -68,6 +116,13 @@ def pack(grid: BlockGrid, codes: np.ndarray) -> np.ndarray:
     if codes.min(initial=grid.lo) < grid.lo or codes.max(initial=grid.hi) > grid.hi:
         raise ValueError(f"codes outside {grid.kind.name}'s range [{grid.lo}, {grid.hi}]")
     return CODECS[grid.kind].pack(grid.grid, codes.astype(np.int8 if grid.lo < 0 else np.uint8))
+
+
+def pack_lattice(grid: LatticeGrid, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
+    """Point indices ``[N, B/group]`` and signs ``[N, B]`` on ``grid`` -> ``[N, type_size]`` uint8 blocks."""
+    if points.min(initial=0) < 0 or points.max(initial=0) >= len(grid.points):
+        raise ValueError(f"points outside {grid.kind.name}'s codebook of {len(grid.points)}")
+    return CODECS[grid.kind].pack(grid.grid, points, negative)
 
 
 def block_size(kind: GGMLType) -> int:

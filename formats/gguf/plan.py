@@ -10,10 +10,14 @@ llama.cpp's ``llama-quantize --pure``. Mixed presets follow ``llama_tensor_get_t
   ``use_more_bits`` layers; Q4_K_S -> Q5_K for the first four;
 - ``ffn_down``: Q3_K_M -> Q5_K below n/16, else Q4_K; Q4_K_M/Q5_K_M -> Q6_K on ``use_more_bits``
   layers; Q4_K_S -> Q5_K below n/8;
-- ``attn_output``: Q3_K_M -> Q4_K.
+- ``attn_output``: Q3_K_M -> Q4_K;
+- ``iq4_xs_mix`` (llama.cpp's IQ4_XS file type): ``attn_v`` -> Q5_K when ``n_head/n_head_kv ≥ 4``;
+  ``ffn_down`` -> Q5_K below n/8 when no importance matrix is used (llama.cpp's ``has_imatrix``; GPTQ's
+  Hessian-weighted fit counts as one).
 
 Either way a type whose block does not divide the row length falls back as llama.cpp's
-``tensor_type_fallback`` does (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, then F16).
+``tensor_type_fallback`` does (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS ->
+IQ4_NL, IQ3_S -> IQ4_NL, then F16).
 1-D tensors (norms, biases) are always F32.
 """
 
@@ -45,6 +49,10 @@ class Target(str, Enum):
     q4_k_m = "q4_k_m"
     q5_k_s = "q5_k_s"
     q5_k_m = "q5_k_m"
+    iq3_s = "iq3_s"
+    iq4_nl = "iq4_nl"
+    iq4_xs = "iq4_xs"
+    iq4_xs_mix = "iq4_xs_mix"
 
 
 BASE = {
@@ -52,17 +60,19 @@ BASE = {
     Target.q5_0: G.Q5_0, Target.q5_1: G.Q5_1, Target.q2_k: G.Q2_K, Target.q3_k: G.Q3_K, Target.q4_k: G.Q4_K,
     Target.q5_k: G.Q5_K, Target.q6_k: G.Q6_K, Target.q3_k_m: G.Q3_K, Target.q4_k_s: G.Q4_K,
     Target.q4_k_m: G.Q4_K, Target.q5_k_s: G.Q5_K, Target.q5_k_m: G.Q5_K,
+    Target.iq3_s: G.IQ3_S, Target.iq4_nl: G.IQ4_NL, Target.iq4_xs: G.IQ4_XS, Target.iq4_xs_mix: G.IQ4_XS,
 }
-PRESETS = {Target.q3_k_m, Target.q4_k_s, Target.q4_k_m, Target.q5_k_s, Target.q5_k_m}
+PRESETS = {Target.q3_k_m, Target.q4_k_s, Target.q4_k_m, Target.q5_k_s, Target.q5_k_m, Target.iq4_xs_mix}
 
 # general.file_type (llama.cpp LLAMA_FTYPE_*); a pure k-quant file is "mostly" that type (the _S id).
 FILE_TYPE = {
     Target.f16: 1, Target.bf16: 32, Target.q8_0: 7, Target.q4_0: 2, Target.q4_1: 3, Target.q5_0: 8,
     Target.q5_1: 9, Target.q2_k: 10, Target.q3_k: 11, Target.q4_k: 14, Target.q5_k: 16, Target.q6_k: 18,
     Target.q3_k_m: 12, Target.q4_k_s: 14, Target.q4_k_m: 15, Target.q5_k_s: 16, Target.q5_k_m: 17,
+    Target.iq3_s: 26, Target.iq4_nl: 25, Target.iq4_xs: 30, Target.iq4_xs_mix: 30,
 }
 
-FALLBACK = {G.Q2_K: G.Q4_0, G.Q3_K: G.Q4_0, G.Q4_K: G.Q5_0, G.Q5_K: G.Q5_1, G.Q6_K: G.Q8_0}
+FALLBACK = {G.Q2_K: G.Q4_0, G.Q3_K: G.Q4_0, G.Q4_K: G.Q5_0, G.Q5_K: G.Q5_1, G.Q6_K: G.Q8_0, G.IQ3_S: G.IQ4_NL, G.IQ4_XS: G.IQ4_NL}
 
 # HF parameter name -> GGUF tensor name (gguf-py constants.py MODEL_TENSORS for LLAMA / QWEN2)
 _TOP = {
@@ -97,9 +107,16 @@ def _layer(name: str) -> int:
     return int(name.split(".")[1])
 
 
-def _mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: int, tied: bool) -> GGMLType:
+def _mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: int, tied: bool, n_gqa: int,
+           has_imatrix: bool) -> GGMLType:
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         return G.Q8_0 if cols % BLOCK_SIZES[base][0] else G.Q6_K
+    if target == Target.iq4_xs_mix:
+        if name.endswith("attn_v.weight") and n_gqa >= 4:
+            return G.Q5_K
+        if name.endswith("ffn_down.weight") and not has_imatrix and _layer(name) < n_layers // 8:
+            return G.Q5_K
+        return base
     if name.endswith("attn_v.weight"):
         i = _layer(name)
         if target == Target.q3_k_m:
@@ -121,17 +138,20 @@ def _mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: int, 
     return base
 
 
-def intended_type(target: Target, name: str, shape: tuple[int, ...], n_layers: int, tied: bool) -> GGMLType:
-    """The GGML type ``target`` gives GGUF tensor ``name`` before any fallback for its row length."""
+def intended_type(target: Target, name: str, shape: tuple[int, ...], n_layers: int, tied: bool, *, n_gqa: int = 1,
+                  has_imatrix: bool = False) -> GGMLType:
+    """The GGML type ``target`` gives GGUF tensor ``name`` before any fallback for its row length.
+    ``n_gqa``: query heads per KV head; ``has_imatrix``: the weights get an importance-weighted fit."""
     if len(shape) < 2:
         return G.F32
     base = BASE[target]
-    return _mixed(target, name, base, shape[-1], n_layers, tied) if target in PRESETS else base
+    return _mixed(target, name, base, shape[-1], n_layers, tied, n_gqa, has_imatrix) if target in PRESETS else base
 
 
-def tensor_type(target: Target, name: str, shape: tuple[int, ...], n_layers: int, tied: bool) -> GGMLType:
+def tensor_type(target: Target, name: str, shape: tuple[int, ...], n_layers: int, tied: bool, *, n_gqa: int = 1,
+                has_imatrix: bool = False) -> GGMLType:
     """The GGML type of GGUF tensor ``name`` (torch ``shape``) under ``target``, as written."""
-    kind = intended_type(target, name, shape, n_layers, tied)
+    kind = intended_type(target, name, shape, n_layers, tied, n_gqa=n_gqa, has_imatrix=has_imatrix)
     cols = shape[-1]
     if len(shape) >= 2 and cols % BLOCK_SIZES[kind][0]:
         kind = FALLBACK.get(kind, kind)

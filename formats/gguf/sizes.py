@@ -2,8 +2,8 @@
 
 Ids and sizes are ggml's (``ggml/include/ggml.h`` ``enum ggml_type``; ``ggml/src/ggml-common.h`` block
 structs). A tensor row of ``n`` elements of a block type is stored as ``n / block_size`` blocks of
-``type_size`` bytes each; ``n`` must be a multiple of ``block_size`` (32 for the legacy quants, 256 for
-the k-quants, ``QK_K``).
+``type_size`` bytes each; ``n`` must be a multiple of ``block_size`` (32 for the legacy quants and
+IQ4_NL, 256 for the k-quants and IQ4_XS, ``QK_K``).
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ class GGMLType(IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ4_NL = 20
+    IQ3_S = 21
+    IQ4_XS = 23
     BF16 = 30
 
 
@@ -44,6 +47,9 @@ BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q4_K: (QK_K, 2 + 2 + 12 + QK_K // 2),
     GGMLType.Q5_K: (QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),
     GGMLType.Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
+    GGMLType.IQ4_NL: (32, 2 + 16),
+    GGMLType.IQ3_S: (QK_K, 2 + QK_K // 4 + QK_K // 32 + QK_K // 8 + QK_K // 64),
+    GGMLType.IQ4_XS: (QK_K, 2 + 2 + QK_K // 64 + QK_K // 2),
 }
 
 

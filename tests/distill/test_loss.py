@@ -86,3 +86,21 @@ def test_bad_input_is_one_line_error():
     assert "tau" in one_line_error(distillation_loss, s, t, y, tau=0.0)
     assert "alpha" in one_line_error(distillation_loss, s, t, y, alpha=1.5)
     assert "ignore_index" in one_line_error(distillation_loss, s, t, torch.full_like(y, IGNORE_INDEX))
+
+
+def test_draft_losses_by_hand_and_one_minus_tv_is_the_acceptance():
+    from compress.distill.loss import DraftLoss, draft_loss
+    from compress.eval.speculative import acceptance
+
+    p = torch.tensor([[0.5, 0.3, 0.2], [0.1, 0.6, 0.3]], dtype=torch.float64)
+    q = torch.tensor([[0.2, 0.5, 0.3], [0.2, 0.7, 0.1]], dtype=torch.float64)
+    student = q.log().float().requires_grad_()
+    labels = torch.tensor([0, 1])
+    tv = draft_loss(student, p.log().float(), labels, DraftLoss.tv, chunk_tokens=1)
+    assert float(tv.total.detach()) == pytest.approx((0.3 + 0.2) / 2)  # ½Σ|p−q| per row: 0.3 and 0.2
+    assert 1 - float(tv.total.detach()) == pytest.approx(float(acceptance(p.log(), q.log(), 1.0).mean()))
+    kl = draft_loss(student, p.log().float(), labels, DraftLoss.kl)
+    assert float(kl.total.detach()) == pytest.approx(float((p * (p / q).log()).sum(-1).mean()), rel=1e-5)
+    tv.total.backward()
+    assert torch.isfinite(student.grad).all() and student.grad.abs().sum() > 0
+    assert float(draft_loss(p.log().float(), p.log().float(), labels, DraftLoss.tv).total) == pytest.approx(0, abs=1e-7)

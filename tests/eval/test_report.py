@@ -55,6 +55,10 @@ def test_nominal_bits_of_a_recorded_grid():
     assert nominal_bits({"stages": [{"method": "rtn", "bits": 4, "group_size": 128, "symmetric": True}]}) == 4 + 16 / 128
     assert nominal_bits({"stages": [{"method": "rtn", "bits": 3, "group_size": 64, "symmetric": False}]}) == 3 + 19 / 64
     assert nominal_bits({"stages": [{"method": "wanda", "sparsity": 0.5}]}) is None
+    # float grids: an E4M3 scale per 16 (NVFP4), an E8M0 one per 32 (MXFP4), float32 FP8 block scales
+    assert nominal_bits({"stages": [{"method": "rtn", "grid": "nvfp4", "bits": 4, "group_size": 16}]}) == 4.5
+    assert nominal_bits({"stages": [{"method": "rtn", "grid": "mxfp4", "bits": 4, "group_size": 32}]}) == 4.25
+    assert nominal_bits({"stages": [{"method": "rtn", "grid": "fp8", "bits": 8, "group_size": -1}]}) == 8
 
 
 def test_report_rows_equal_compress_eval_ppl(tiny_llama, tmp_path):

@@ -15,13 +15,14 @@ triton_gguf = pytest.importorskip("compress.kernels.triton_gguf")
 GGUFBlock = triton_gguf.GGUFBlock
 
 # where each block's float16 factors live: random bytes there could be NaN/inf, so they are overwritten
-F16_OFFSETS = {GGUFBlock.Q4_0: (0,), GGUFBlock.Q8_0: (0,), GGUFBlock.Q4_K: (0, 2), GGUFBlock.Q6_K: (208,)}
+F16_OFFSETS = {GGUFBlock.Q4_0: (0,), GGUFBlock.Q8_0: (0,), GGUFBlock.Q4_K: (0, 2), GGUFBlock.Q6_K: (208,),
+               GGUFBlock.IQ4_NL: (0,), GGUFBlock.IQ4_XS: (0,), GGUFBlock.IQ3_S: (0,)}
 
 
 def random_blocks(block: GGUFBlock, n_blocks: int, seed: int) -> np.ndarray:
     """Every byte random (all code, scale and min bit patterns), the f16 factors finite and varied."""
     rng = np.random.default_rng(seed)
-    _, size = block.value
+    size = block.size
     data = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
     for off in F16_OFFSETS[block]:
         factors = (rng.standard_normal(n_blocks) * 10.0 ** rng.integers(-4, 2, n_blocks)).astype(np.float16)
@@ -43,7 +44,7 @@ def test_encoded_weight_matches_gguf_py_and_our_decoder(block):
     codecs = pytest.importorskip("compress.formats.gguf.codecs")
     from compress.formats.gguf.sizes import GGMLType
 
-    elems, _ = block.value
+    elems = block.elems
     weight = random_weight((3, 2 * elems), seed=7).numpy()  # 3 rows of 2 blocks
     data = codecs.encode_tensor(weight, GGMLType[block.name])
     out = triton_gguf.dequantize(torch.from_numpy(np.ascontiguousarray(data)), block).numpy().reshape(3, -1)
@@ -55,3 +56,7 @@ def test_encoded_weight_matches_gguf_py_and_our_decoder(block):
 def test_rejects_partial_blocks():
     with pytest.raises(ValueError, match="whole blocks"):
         triton_gguf.dequantize(torch.zeros(19, dtype=torch.uint8), GGUFBlock.Q4_0)
+
+
+def test_iq4_codebook_is_gguf_py_table():
+    assert list(triton_gguf.IQ4_KVALUES) == list(gguf_quants.IQ4_NL.kvalues)

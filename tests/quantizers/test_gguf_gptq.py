@@ -12,7 +12,7 @@ from compress.quantizers.gguf_gptq import GGUFGPTQConfig, gguf_gptq
 from references import correlated_layer
 
 G = GGMLType
-TYPES = [G.Q4_0, G.Q4_1, G.Q5_0, G.Q8_0, G.Q2_K, G.Q3_K, G.Q4_K, G.Q6_K]
+TYPES = [G.Q4_0, G.Q4_1, G.Q5_0, G.Q8_0, G.Q2_K, G.Q3_K, G.Q4_K, G.Q6_K, G.IQ4_NL, G.IQ4_XS]
 
 
 def reference_gguf_obq(weight: torch.Tensor, hessian: torch.Tensor, kind: GGMLType, damp: float = 0.01) -> np.ndarray:
@@ -45,12 +45,52 @@ def reference_gguf_obq(weight: torch.Tensor, hessian: torch.Tensor, kind: GGMLTy
     return out
 
 
+def reference_lattice_obq(weight: torch.Tensor, hessian: torch.Tensor, kind: GGMLType, damp: float = 0.01) -> torch.Tensor:
+    """Textbook OBQ for a lattice type in float64: at each block's first column the grid is the codec's
+    fit of the block's current columns; each group of columns takes, per row, the signs of its weights and
+    the codebook point minimising ``Σ (|w_i| − step_i·p_i)² / Hinv_ii`` over every point; then the group's
+    columns are eliminated one by one. Returns the decoded weight ``[out, in]``."""
+    codec, B = CODECS[kind], BLOCK_SIZES[kind][0]
+    W, H = weight.double().clone(), hessian.double().clone()
+    rows, cols = W.shape
+    H += damp * H.diagonal().mean() * torch.eye(cols, dtype=H.dtype)
+    Hinv = torch.linalg.inv(H)
+    points = torch.from_numpy(codec.codebook()).double()
+    g = points.shape[1]
+    out = torch.zeros_like(W)
+    for i0 in range(0, cols, g):
+        if i0 % B == 0:
+            step = torch.from_numpy(codec.fit_grid(W[:, i0 : i0 + B].float().numpy()).scale()).double().repeat_interleave(B // 8, dim=1)
+        s = step[:, i0 % B : i0 % B + g]  # [rows, g]
+        w = W[:, i0 : i0 + g]
+        cost = ((w.abs()[:, None, :] - s[:, None, :] * points[None]) ** 2 / Hinv.diagonal()[i0 : i0 + g]).sum(dim=2)
+        out[:, i0 : i0 + g] = s * points[cost.argmin(dim=1)] * torch.where(w < 0, -1.0, 1.0)
+        for i in range(i0, i0 + g):
+            err = (W[:, i] - out[:, i]) / Hinv[i, i]
+            W[:, i + 1 :] -= torch.outer(err, Hinv[i, i + 1 :])
+            rest = Hinv[i + 1 :, i]
+            Hinv[i + 1 :, i + 1 :] -= torch.outer(rest, rest) / Hinv[i, i]
+    return out
+
+
+def test_lattice_matches_slow_textbook_reference():
+    """A near-tie between two of the 512 points flips with float32 vs float64 arithmetic, and the rest of
+    that row then follows another path: measured 87-96% of weights identical over seeds (92%, 75% of rows
+    entirely, here), the proxy within 1%."""
+    w, h, _ = correlated_layer(16, 256, 1024, seed=5)
+    ours = gguf_gptq(w, h, GGUFGPTQConfig(G.IQ3_S, block_size=64, weighted_fit=False))
+    ref = reference_lattice_obq(w, h, G.IQ3_S)
+    same = (ours.weight.double() - ref).abs() <= 1e-5 * ref.abs().max()
+    assert same.float().mean() > 0.85, float(same.float().mean())
+    assert proxy(w, ours.weight, h) == pytest.approx(proxy(w, ref, h), rel=0.02)
+
+
 def proxy(w, q, h) -> float:
     d = (w.double() - q.double())
     return float(((d @ h.double()) * d).sum())
 
 
-@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", [k for k in TYPES if k != G.IQ4_XS], ids=lambda k: k.name)  # IQ4_XS: IQ4_NL's rounding
 def test_matches_slow_textbook_reference(kind):
     cols = 512 if BLOCK_SIZES[kind][0] == 256 else 256  # k-quants: two super-blocks
     w, h, _ = correlated_layer(8, cols, 1024, seed=3)
@@ -61,7 +101,7 @@ def test_matches_slow_textbook_reference(kind):
     assert proxy(w, ours.weight, h) == pytest.approx(proxy(w, ref, h), rel=0.02)
 
 
-@pytest.mark.parametrize("kind", TYPES, ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", TYPES + [G.IQ3_S], ids=lambda k: k.name)
 def test_bytes_are_the_weight_and_beat_ggml_rounding(kind):
     w, h, _ = correlated_layer(16, 512, 2048, seed=4)
     w0, h0 = w.clone(), h.clone()

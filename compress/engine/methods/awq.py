@@ -13,7 +13,7 @@ import time
 import torch
 from pydantic import Field
 
-from compress.checkpoints.architecture import block_map, fold_scales, resolve_groups
+from compress.checkpoints.architecture import block_map, resolve_groups
 from compress.engine.methods.base import LayerOutcome, LayerReport, Method
 from compress.engine.methods.rtn import WeightQuantConfig, check_group_size
 from compress.checkpoints.model_io import get_weight, set_weight
@@ -74,7 +74,7 @@ class AWQ(Method):
         config = self._awq_config()
         relative = {module: name for name, module in block.named_modules()}
         selected = {relative[m]: full for full, m in layers.items()}  # relative name -> full name
-        groups = [g for g in resolve_groups(block, self.model_type) if any(n in selected for n in g[0].layers)]
+        groups = [g for g in resolve_groups(block, self.model_type) if any(n in selected for n in g.group.layers)]
         info: dict[str, dict] = {name: {} for name in selected}
         with torch.inference_mode():
             if groups:
@@ -108,12 +108,13 @@ class AWQ(Method):
 
     def _scale_groups(self, block, groups, stats, selected, replay, config, info) -> None:
         inspected = {
-            group.label: block.get_submodule(group.inspect) if group.inspect else layers[0]
-            for group, _, layers in groups
+            resolved.group.label: block.get_submodule(resolved.group.inspect) if resolved.group.inspect else resolved.layers[0]
+            for resolved in groups
         }
         with CallRecorder(inspected) as recorder:
             replay()
-        for group, prev, layers in groups:
+        for resolved in groups:
+            group, layers = resolved.group, resolved.layers
             x_mean = next(stats[selected[n]][Stat.INPUT_ABSMEAN] for n in group.layers if n in selected)
             calls = recorder.calls.pop(group.label)
             originals = [get_weight(m).detach().clone() for m in layers]
@@ -138,7 +139,7 @@ class AWQ(Method):
             search = search_scales(x_mean.to(originals[0].device), originals, loss, config, quantizers)
             for module, w in zip(layers, originals):
                 set_weight(module, w)
-            fold_scales(prev, layers, search.scales.to(originals[0].device))
+            resolved.fold(search.scales.to(originals[0].device))  # into the producer, consumers and followers
             gain = search.rtn_loss / search.loss if search.loss > 0 else 1.0
             for name in group.layers:
                 if name in selected:

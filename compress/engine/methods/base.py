@@ -119,6 +119,28 @@ class Method:
         return {"method": self.name, **self.config.model_dump(mode="json")}
 
 
+@dataclass
+class Rewritten:
+    """What a `CheckpointMethod` wrote: the output's config.json (before the compression record is added),
+    the method's record, lines for the summary, and extra files (name → text) for the output."""
+
+    config: dict[str, Any]
+    record: dict[str, Any]
+    notes: list[str] = field(default_factory=list)
+    files: dict[str, str] = field(default_factory=dict)
+
+
+class CheckpointMethod(Method):
+    """A method that changes the model's shapes (structured pruning). It cannot transform blocks in place
+    on the engine: it reads the checkpoint and writes a new one, so it runs as a recipe's only stage."""
+
+    def rewrite(self, handle, calibration: torch.Tensor | None, directory, device: torch.device, batch_size: int,
+                progress: Callable[[str, int, int], None] | None = None) -> Rewritten:
+        """Write the new weights into ``directory`` (an empty folder) from ``handle`` (a lazily opened
+        `ModelHandle`) and ``calibration`` token windows ``[samples, seq_len]``."""
+        raise NotImplementedError
+
+
 class HessianMethod(Method):
     """Base for second-order solvers (GPTQ, SparseGPT): Hessian statistics, optional true-sequential,
     and solver failures reported as user errors naming the layer."""

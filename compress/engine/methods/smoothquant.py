@@ -14,7 +14,7 @@ from typing import Any
 
 from pydantic import Field
 
-from compress.checkpoints.architecture import fold_scales, is_linear, resolve_groups
+from compress.checkpoints.architecture import resolve_groups
 from compress.engine.methods.base import LayerOutcome, LayerReport, Method, MethodConfig
 from compress.checkpoints.model_io import get_weight, set_weight
 from compress.quantizers.activations import ActGranularity, ActivationScheme, static_scale
@@ -69,12 +69,13 @@ class SmoothQuant(Method):
         absmax = {rel: stats[full][Stat.INPUT_ABSMAX].clone() for rel, full in selected.items()}
         info: dict[str, dict[str, Any]] = {rel: {} for rel in selected}
         if self.config.smooth:
-            for group, prev, modules in resolve_groups(block, self.model_type):
-                present = [n for n in group.layers if n in selected]
-                if is_linear(prev) or not present:
+            for resolved in resolve_groups(block, self.model_type):
+                present = [n for n in resolved.group.layers if n in selected]
+                if not resolved.from_norm or not present:
                     continue  # the paper smooths the inputs of the norm-fed layers (QKV, FC1)
+                modules = resolved.layers
                 scales = smoothing_scales(absmax[present[0]], [get_weight(m) for m in modules], self.config.alpha)
-                fold_scales(prev, modules, scales.to(get_weight(modules[0]).device))
+                resolved.fold(scales.to(get_weight(modules[0]).device))
                 for name in present:
                     before = absmax[name].max().item()
                     absmax[name] = absmax[name] / scales.to(absmax[name].device)

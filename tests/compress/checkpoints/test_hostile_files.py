@@ -18,7 +18,7 @@ from typer.testing import CliRunner
 from compress.checkpoints.shards import CheckpointReader
 from compress.cli import app
 from compress.errors import CompressError
-from conftest import REFERENCE_MODEL
+from conftest import CALIB_TEXT, EVAL_TEXT, REFERENCE_MODEL
 
 
 class _Exploit:
@@ -117,3 +117,68 @@ def test_outputs_at_or_inside_the_input_are_refused(tmp_path):
     done = runner.invoke(app, ["export", str(model), "-o", str(model / "model.gguf")])
     assert done.exit_code == 2 and "inside the input model" in done.output
     assert sorted(p.name for p in model.iterdir()) == before
+
+
+# -- config.json and weights that do not fit, and checkpoints without a tokenizer -------------------------
+def _one_line_failure(args: list) -> str:
+    done = CliRunner().invoke(app, [str(a) for a in args])
+    assert done.exit_code == 2 and "Traceback" not in done.output, done.output
+    lines = done.output.strip().splitlines()
+    assert len(lines) == 1, done.output
+    return lines[0]
+
+
+def _copy(model: Path, tmp_path: Path) -> Path:
+    return Path(shutil.copytree(model, tmp_path / "model"))
+
+
+def test_remote_code_runs_only_with_trust_remote_code(tmp_path, tiny_llama):
+    model, marker = _copy(tiny_llama, tmp_path), tmp_path / "pwned"
+    (model / "modeling_evil.py").write_text(f"open({str(marker)!r}, 'w').close()\n")
+    config = json.loads((model / "config.json").read_text())
+    config["auto_map"] = {"AutoModelForCausalLM": "modeling_evil.EvilForCausalLM"}
+    (model / "config.json").write_text(json.dumps(config))
+    line = _one_line_failure(["quantize", model, "-o", tmp_path / "out", "--group-size", "32", "--json"])
+    assert "auto_map: modeling_evil.EvilForCausalLM" in line and "--trust-remote-code" in line
+    assert not marker.exists() and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", [["quantize", "--group-size", "32"], ["export", "--type", "q8_0"]], ids=["quantize", "export"])
+def test_config_sizes_that_disagree_with_the_weights(tmp_path, tiny_llama, command):
+    model = _copy(tiny_llama, tmp_path)
+    config = json.loads((model / "config.json").read_text())
+    config["intermediate_size"] = 96  # the weights have 128
+    (model / "config.json").write_text(json.dumps(config))
+    out = tmp_path / ("out.gguf" if command[0] == "export" else "out")
+    line = _one_line_failure([command[0], model, "-o", out, *command[1:], "--json"])
+    assert "tensor model.layers.0.mlp.gate_proj.weight has shape [128, 64] in the weights but config.json implies [96, 64]" in line
+    assert os.listdir(tmp_path) == ["model"]
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf")], ids=["NaN", "Inf"])
+def test_a_weight_with_nan_or_inf_is_named(tmp_path, tiny_llama, value):
+    from safetensors.torch import load_file
+
+    model = _copy(tiny_llama, tmp_path)
+    weights = load_file(model / "model.safetensors")
+    weights["model.layers.1.mlp.down_proj.weight"][3, 5] = value
+    save_file(weights, model / "model.safetensors", metadata={"format": "pt"})
+    line = _one_line_failure(["quantize", model, "-o", tmp_path / "out", "--group-size", "32", "--json"])
+    assert "tensor model.layers.1.mlp.down_proj.weight holds 1 NaN or Inf values of 8192" in line and "model.safetensors" in line
+    assert os.listdir(tmp_path) == ["model"]
+    assert "model.layers.1.mlp.down_proj.weight" in _one_line_failure(["export", model, "-o", tmp_path / "m.gguf", "--json"])
+
+
+def test_a_missing_tokenizer_matters_only_where_text_is_tokenized(tmp_path, tiny_llama):
+    model = _copy(tiny_llama, tmp_path)
+    for f in model.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "vocab", "merges")):
+            f.unlink()
+    done = CliRunner().invoke(app, ["quantize", str(model), "-o", str(tmp_path / "rtn"), "--group-size", "32", "--json"])
+    assert done.exit_code == 0, done.output  # no text to tokenize: no tokenizer needed
+    calib = ["--calib", str(CALIB_TEXT), "--samples", "2", "--seq-len", "32"]
+    for args in (["quantize", model, "-o", tmp_path / "gptq", "--method", "gptq", "--group-size", "32", *calib, "--json"],
+                 ["eval", "ppl", tmp_path / "rtn", "--text", EVAL_TEXT, "--json"]):
+        line = _one_line_failure(args)
+        assert "has no tokenizer files" in line and "copy those files from the original checkpoint" in line, line
+    assert "GGUF export needs the tokenizer" in _one_line_failure(["export", model, "-o", tmp_path / "m.gguf", "--json"])

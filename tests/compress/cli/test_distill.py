@@ -28,7 +28,7 @@ def test_parse_student(tmp_path):
             parse_student(bad)
 
 
-@pytest.mark.parametrize("name", ["distill-half-depth.yaml", "sparsegpt-2of4-then-distill.yaml"])
+@pytest.mark.parametrize("name", ["distill-half-depth.yaml", "sparsegpt-2of4-then-distill.yaml", "structured-then-distill.yaml"])
 def test_shipped_recipes_parse(name):
     recipe = load_recipe(REPO / "recipes" / name)
     assert recipe.distill is not None and recipe.distill.tau == 2.0

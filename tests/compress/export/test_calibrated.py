@@ -51,7 +51,7 @@ def tensors(path) -> dict[str, np.ndarray]:
 def test_gptq_file_has_the_plan_and_solves_every_linear_layer(q3k_files):
     rtn, gptq, result = q3k_files
     a, b = tensors(rtn), tensors(gptq)
-    assert a.keys() == b.keys() and rtn.stat().st_size == gptq.stat().st_size
+    assert a.keys() == b.keys() and all(a[n].shape == b[n].shape and a[n].dtype == b[n].dtype for n in a)  # same plan
     changed = {n for n in a if not np.array_equal(a[n], b[n])}
     matrices = {n for n in a if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n}
     assert changed == matrices | {"output.weight"}  # token embeddings and norms as in the plain file
@@ -86,7 +86,7 @@ def test_awq_file_folds_scales_and_keeps_quality(tmp_path, q3k_files, scorer):
     a, b = tensors(rtn), tensors(out)
     assert not np.array_equal(a["blk.0.attn_norm.weight"], b["blk.0.attn_norm.weight"])  # scales folded
     assert scorer(out).kld < 1.02 * scorer(rtn).kld
-    assert [p.name for p in tmp_path.iterdir()] == ["awq.gguf"]  # the scratch checkpoint is gone
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["awq.gguf", "awq.gguf.manifest.json"]  # the scratch checkpoint is gone
 
 
 def test_awq_then_gptq_writes_the_solved_bytes_of_the_scaled_model(tmp_path, q3k_files, scorer):
@@ -122,3 +122,19 @@ def test_recipe_export_with_gptq_needs_calibration():
     msg = one_line_error(parse_recipe, {**base, "export": {"path": "x.gguf", "method": "gptq"}})
     assert "calibration" in msg
     parse_recipe({**base, "calibration": {"path": str(CALIB_TEXT)}, "export": {"path": "x.gguf", "method": "gptq"}})
+
+
+def test_gptq_in_the_iq4_xs_codebook_beats_importance_weighted_rounding(tmp_path, scorer):
+    """IQ4_XS (non-uniform codebook): GPTQ solved in each tensor's grid against ggml's importance-weighted
+    rounding from an imatrix of the same calibration windows (llama-quantize --imatrix's bytes), both
+    scored by transformers' dequantization of the file against the float model."""
+    from compress.export.imatrix import ImatrixConfig, run_imatrix
+
+    imatrix = tmp_path / "imatrix.gguf"
+    run_imatrix(ImatrixConfig(REFERENCE_MODEL, CALIB_TEXT, imatrix, CALIBRATION.samples, CALIBRATION.seq_len))
+    weighted, solved = tmp_path / "imatrix-iq4_xs.gguf", tmp_path / "gptq-iq4_xs.gguf"
+    export_gguf(ExportConfig(REFERENCE_MODEL, weighted, Target.iq4_xs, imatrix=imatrix))
+    export_calibrated(ExportConfig(REFERENCE_MODEL, solved, Target.iq4_xs), GGUFMethod.gptq, CALIBRATION)
+    assert tensors(weighted).keys() == tensors(solved).keys()
+    a, b = scorer(weighted), scorer(solved)
+    assert b.kld < 0.85 * a.kld, (b.kld, a.kld)

@@ -9,7 +9,8 @@ from compress.formats.gguf import grids
 from compress.formats.gguf.codecs import CODECS
 from compress.formats.gguf.sizes import GGMLType
 
-QUANTIZED = [k for k in CODECS if grids.is_block_quantized(k)]
+QUANTIZED = [k for k in CODECS if grids.is_block_quantized(k) and not grids.is_lattice(k)]
+LATTICE = [k for k in CODECS if grids.is_lattice(k)]
 K_QUANTS = [GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K]
 
 
@@ -23,13 +24,15 @@ def blocks_of(kind: GGMLType, n: int = 48, seed: int = 0) -> np.ndarray:
 
 @pytest.mark.parametrize("kind", QUANTIZED, ids=lambda k: k.name)
 def test_any_codes_decode_to_step_times_code_minus_offset(kind):
-    """The decoder (the format's reference) of any code on a fitted grid is ``step·q − offset``."""
+    """The decoder (the format's reference) of any code on a fitted grid is ``step·level(q) − offset``."""
     x = blocks_of(kind)
     grid = grids.fit(kind, x)
     rng = np.random.default_rng(1)
     codes = rng.integers(grid.lo, grid.hi + 1, size=x.shape)
     decoded = CODECS[kind].decode(grids.pack(grid, codes))
-    np.testing.assert_allclose(decoded, grid.step * codes - grid.offset, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(decoded, grid.values(codes), rtol=1e-6, atol=1e-7)
+    if grid.levels is not None:  # a codebook: the levels are the codec's table, the decode exactly step·level
+        np.testing.assert_array_equal(decoded, grid.step * grid.levels[codes - grid.lo])
     assert (grid.step[0] == 0).all()
 
 
@@ -66,3 +69,32 @@ def test_codes_out_of_range_are_refused():
     with pytest.raises(ValueError, match="range"):
         grids.pack(grid, np.full(x.shape, 16))
     assert not grids.is_block_quantized(GGMLType.F16)
+
+
+@pytest.mark.parametrize("kind", LATTICE, ids=lambda k: k.name)
+def test_any_points_and_signs_decode_to_step_times_point(kind):
+    """A lattice type's decoder (the format's reference) of any points and signs on a fitted grid is
+    ``step·point·(±1)``, bit for bit."""
+    x = blocks_of(kind)
+    grid = grids.fit(kind, x)
+    rng = np.random.default_rng(1)
+    points = rng.integers(0, len(grid.points), size=(x.shape[0], x.shape[1] // grid.group))
+    negative = rng.random(x.shape) < 0.5
+    decoded = CODECS[kind].decode(grids.pack_lattice(grid, points, negative))
+    values = grid.points[points].reshape(x.shape)
+    np.testing.assert_array_equal(decoded, (grid.step * values) * np.where(negative, -1, 1).astype(np.float32))
+    assert (grid.step[0] == 0).all() and (grid.step[1:] > 0).all()
+    with pytest.raises(ValueError, match="codebook"):
+        grids.pack_lattice(grid, points + len(grid.points), negative)
+
+
+@pytest.mark.parametrize("kind", LATTICE, ids=lambda k: k.name)
+def test_lattice_fit_is_the_encoders_grid(kind):
+    """The encoder's own points and signs, packed on `fit`'s grid, are the encoder's bytes (no block is
+    all zero here, so ggml's pointer lag over empty blocks does not arise)."""
+    x = blocks_of(kind)[1:]
+    qw = np.random.default_rng(2).random(x.shape).astype(np.float32)
+    for importance in (None, qw):
+        data = CODECS[kind].encode(x) if importance is None else CODECS[kind].encode_weighted(x, qw)
+        _, points, negative = CODECS[kind].unpack(data)
+        np.testing.assert_array_equal(grids.pack_lattice(grids.fit(kind, x, importance), points, negative), data)

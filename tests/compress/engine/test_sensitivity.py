@@ -1,0 +1,122 @@
+"""Sensitivity measured one block at a time, against the whole model run by transformers with the same
+weights quantized (round to nearest, so the quantized weights are known independently)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from compress.checkpoints.model_io import open_model, quantizable_layers
+from compress.engine.sensitivity import Solver, SolverSettings, measure_sensitivity
+from compress.formats.candidates import parse_candidates
+from compress.formats.gguf.codecs import decode_tensor, encode_tensor
+from compress.quantizers.rtn import rtn
+
+RTN = SolverSettings(Solver.rtn)
+
+
+@pytest.fixture
+def calibration():
+    return torch.randint(0, 250, (3, 24), generator=torch.Generator().manual_seed(0))
+
+
+def kld(p_logits: torch.Tensor, q_logits: torch.Tensor) -> float:
+    p, q = p_logits.double().log_softmax(-1), q_logits.double().log_softmax(-1)
+    return float((p.exp() * (p - q)).sum(-1).mean())
+
+
+def block_outputs(model, tokens) -> list[torch.Tensor]:
+    outputs = []
+    hooks = [b.register_forward_hook(lambda _m, _a, out: outputs.append(out[0] if isinstance(out, tuple) else out))
+             for b in model.model.layers]
+    with torch.no_grad():
+        model(tokens)
+    for h in hooks:
+        h.remove()
+    return outputs
+
+
+def relative(changed: torch.Tensor, clean: torch.Tensor) -> float:
+    return float(((changed - clean).square().sum(-1) / clean.square().sum(-1)).mean())
+
+
+def test_residual_errors_and_uniform_klds_match_the_whole_model(tiny_llama, calibration):
+    candidates = parse_candidates("w2g32,w4g64")
+    handle = open_model(tiny_llama)
+    names = [handle.block_name(i) for i in range(len(handle.blocks))]
+    layers = quantizable_layers(handle.model, names)
+    run = measure_sensitivity(handle, calibration, candidates, layers, RTN, batch_size=2, scale_bytes=4)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    with torch.no_grad():
+        clean_logits = model(calibration).logits
+    clean_blocks = block_outputs(model, calibration)
+    modules = dict(model.named_modules())
+    for name in ["model.layers.0.self_attn.k_proj", "model.layers.1.mlp.down_proj", "model.layers.1.self_attn.v_proj"]:
+        index = int(name.split(".")[2])
+        for c in candidates:
+            original = modules[name].weight.detach().clone()
+            with torch.no_grad():
+                modules[name].weight.copy_(rtn(original, c.scheme).weight)
+            changed = block_outputs(model, calibration)[index]
+            with torch.no_grad():
+                modules[name].weight.copy_(original)
+            assert run.layers[name][c.name].residual_error == pytest.approx(relative(changed, clean_blocks[index]), rel=1e-4)
+            assert run.layers[name][c.name].bytes == c.stored_bytes(*original.shape, 4)
+    for c in candidates:  # every measured layer quantized at once
+        originals = {n: modules[n].weight.detach().clone() for n in layers}
+        with torch.no_grad():
+            for n in layers:
+                modules[n].weight.copy_(rtn(originals[n], c.scheme).weight)
+            quantized_logits = model(calibration).logits
+            for n in layers:
+                modules[n].weight.copy_(originals[n])
+        assert run.uniform_kld[c.name] == pytest.approx(kld(clean_logits, quantized_logits), rel=1e-4)
+    assert run.uniform_kld["w2g32"] > run.uniform_kld["w4g64"] > 0
+
+
+def test_gguf_candidates_measure_embeddings_and_output_layer(tiny_llama, calibration):
+    candidates = parse_candidates("q4_0,q8_0")
+    handle = open_model(tiny_llama)
+    from compress.run.measure import selected_layers
+
+    layers = selected_layers(handle, True, None, None)
+    assert {"model.embed_tokens", "lm_head"} <= set(layers)
+    run = measure_sensitivity(handle, calibration, candidates, layers, RTN, batch_size=3)
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+
+    def ggml(w: torch.Tensor, kind) -> torch.Tensor:
+        return torch.from_numpy(decode_tensor(encode_tensor(w.numpy(), kind), kind, w.shape[1]))
+
+    with torch.no_grad():
+        clean = model(calibration).logits
+        for c in candidates:
+            head = model.lm_head.weight.detach().clone()
+            model.lm_head.weight.copy_(ggml(head, c.ggml))
+            changed = model(calibration).logits
+            model.lm_head.weight.copy_(head)
+            assert run.layers["lm_head"][c.name].kld == pytest.approx(kld(clean, changed), rel=1e-4)
+            embed = model.model.embed_tokens.weight
+            original = embed.detach().clone()
+            delta = ggml(original, c.ggml)[calibration] - original[calibration]
+            expected = float((delta.square().sum(-1) / original[calibration].square().sum(-1)).mean())
+            assert run.layers["model.embed_tokens"][c.name].residual_error == pytest.approx(expected, rel=1e-4)
+            embed.copy_(ggml(original, c.ggml))
+            changed = model(calibration).logits
+            embed.copy_(original)
+            assert run.layers["model.embed_tokens"][c.name].kld == pytest.approx(kld(clean, changed), rel=1e-4)
+    assert run.uniform_kld["q4_0"] > run.uniform_kld["q8_0"] > 0
+
+
+def test_gptq_measures_lower_error_than_rounding(tiny_llama, calibration):
+    candidates = parse_candidates("w3g32")
+    runs = []
+    for settings in (SolverSettings(), RTN):
+        handle = open_model(tiny_llama)
+        layers = quantizable_layers(handle.model, [handle.block_name(0)])
+        runs.append(measure_sensitivity(handle, calibration, candidates, layers, settings))
+    gptq_run, rtn_run = runs
+    for name in layers:
+        assert gptq_run.layers[name]["w3g32"].layer_error < rtn_run.layers[name]["w3g32"].layer_error

@@ -1,0 +1,36 @@
+"""GGUF exports with per-tensor plans: the types gguf-py reads back, and the file size predicted beforehand."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+
+from compress.export.gguf import ExportConfig, export_gguf
+from compress.export.sizing import fixed_gguf_bytes
+from compress.formats.gguf.plan import Target
+from compress.run.plan import PlanSpec, gguf_plan
+
+gguf = pytest.importorskip("gguf")
+
+
+def test_planned_types_are_written_and_the_size_is_predicted(tiny_llama, tmp_path):
+    layers = {
+        "model.embed_tokens": "q4_0", "lm_head": "q8_0", "model.layers.0.mlp.down_proj": "q5_0",
+        "re:self_attn\\.v_proj": "q8_0", "model.layers.1.mlp.up_proj": "q4_k",  # width 64: falls back to Q5_0
+    }
+    config = ExportConfig(tiny_llama, tmp_path / "m.gguf", Target.q4_1)
+    plan, types = gguf_plan(tiny_llama, PlanSpec(layers=layers), config)
+    assert types["blk.1.ffn_up.weight"].name == "Q5_0" and types["output.weight"].name == "Q8_0"
+    result = export_gguf(replace(config, types=types))
+    written = {t.name: t.tensor_type.name for t in gguf.GGUFReader(result.output).tensors}
+    expected = {
+        "token_embd.weight": "Q4_0", "output.weight": "Q8_0", "blk.0.ffn_down.weight": "Q5_0",
+        "blk.0.attn_v.weight": "Q8_0", "blk.1.attn_v.weight": "Q8_0", "blk.1.ffn_up.weight": "Q5_0",
+        "blk.0.attn_q.weight": "Q4_1", "blk.0.attn_norm.weight": "F32",  # unplanned: the target's
+    }
+    assert {k: written[k] for k in expected} == expected
+    assert not result.fallbacks
+    fixed = fixed_gguf_bytes(config, set(types))
+    predicted = fixed + plan.bytes
+    assert abs(predicted - result.file_bytes) <= 1024 + 32 * len(types)  # provenance length and alignment
