@@ -153,7 +153,8 @@ class OutputDir:
             self._check_final()  # again, under the lock: another run may have finished meanwhile
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.tmp.mkdir()
-        except BaseException:
+        except BaseException:  # a signal too: __exit__ is not called when __enter__ fails
+            shutil.rmtree(self.tmp, ignore_errors=True)
             self.lock.release()
             raise
         return self.tmp
