@@ -11,8 +11,8 @@ from compress.run.recipe import parse_recipe
 from compress.run.runner import run_recipe
 from conftest import CALIB_TEXT, EVAL_TEXT
 
-CALIBRATION = {"path": CALIB_TEXT, "samples": 16, "seq_len": 256}  # kept small: CI time
-EVALUATION = {"text": EVAL_TEXT, "ctx": 256, "max_tokens": 1024}
+CALIBRATION = {"path": CALIB_TEXT, "samples": 32, "seq_len": 256}
+EVALUATION = {"text": EVAL_TEXT, "ctx": 256, "max_tokens": 2048}
 _KLD: dict[tuple, float] = {}  # each run once, shared by the tests of this module
 
 
