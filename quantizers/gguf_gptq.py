@@ -70,33 +70,32 @@ def layer_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Te
     return error, error / base if base > 0 else 0.0
 
 
-def _round_block(W1: torch.Tensor, Err1: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.BlockGrid):
+def _round_block(W1: torch.Tensor, Err1: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.BlockGrid) -> np.ndarray:
     """Round the block of columns ``b:b+B`` of the lazy batch ``W1`` on ``grid`` column by column, feeding
     each error into the batch's later columns (``W1`` and ``Err1`` updated in place). Returns the codes
     ``[rows, B]``. (Refitting the grid to the values the columns had when rounded, and rounding again,
-    was tried: no consistent gain, Q2_K and Q4_K got worse.)"""
-    step, offset = torch.from_numpy(grid.step), torch.from_numpy(grid.offset)
-    safe_step = torch.where(step == 0, torch.ones_like(step), step)
-    levels = None if grid.levels is None else torch.from_numpy(grid.levels)
-    bounds = None if levels is None else torch.from_numpy(grids.midpoints(grid.levels))
+    was tried: no consistent gain, Q2_K and Q4_K got worse.) The column loop runs in numpy on views of
+    the tensors: torch's threaded kernels made these small per-column steps 10x slower on 2 cores."""
+    W, E, U = W1.numpy(), Err1.numpy(), U1.numpy()
+    step, offset = grid.step, grid.offset
+    safe_step = np.where(step == 0, np.float32(1), step)
+    bounds = None if grid.levels is None else grids.midpoints(grid.levels)
     rows, B = step.shape
-    codes = torch.empty(rows, B, dtype=torch.int32)
+    codes = np.empty((rows, B), dtype=np.int32)
     for c in range(B):
         i = b + c
-        w = W1[:, i]
+        w = W[:, i]
         t = (w + offset[:, c]) / safe_step[:, c]
-        if levels is None:  # affine grid: the code is the level
-            q = torch.round(t).clamp(grid.lo, grid.hi)
-            q = torch.where(step[:, c] == 0, torch.full_like(q, grid.lo), q)
+        if bounds is None:  # affine grid: the code is the level
+            q = np.where(step[:, c] == 0, grid.lo, np.clip(np.rint(t), grid.lo, grid.hi))
             level = q
-        else:  # codebook: the nearest level (ties up, as ggml), any code where the step is 0; a compare and
-            # sum, not torch.bucketize: on a busy 2-core machine its threaded kernel was 80x slower
-            index = (t[:, None] >= bounds).sum(dim=1)
-            q, level = index + grid.lo, levels[index]
-        err = (w - (step[:, c] * level - offset[:, c])) / U1[i, i]
-        W1[:, i + 1 :] -= err[:, None] * U1[i, i + 1 :]
-        Err1[:, i] = err
-        codes[:, c] = q.to(torch.int32)
+        else:  # codebook: the nearest level (ties up, as ggml); any code where the step is 0
+            index = np.searchsorted(bounds, t, side="right")
+            q, level = index + grid.lo, grid.levels[index]
+        err = (w - (step[:, c] * level - offset[:, c])) / U[i, i]
+        W[:, i + 1 :] -= err[:, None] * U[i, i + 1 :]
+        E[:, i] = err
+        codes[:, c] = q
     return codes
 
 
@@ -105,27 +104,28 @@ def _round_lattice_block(W1: torch.Tensor, Err1: torch.Tensor, U1: torch.Tensor,
     row's signs are its weights', its point the codebook entry nearest ``|w|/step`` with each column's
     distance weighted by ``1/U_ii²``, GPTQ's weight of a column's error), then the group's columns feed their
     errors forward one by one. Returns (points ``[rows, B/group]``, negative ``[rows, B]``)."""
-    step, points = torch.from_numpy(grid.step), torch.from_numpy(grid.points)
+    W, E, U = W1.numpy(), Err1.numpy(), U1.numpy()
+    step, points = grid.step, grid.points
     rows, B = step.shape
     g = grid.group
-    chosen = torch.empty(rows, B // g, dtype=torch.int64)
-    negative = torch.empty(rows, B, dtype=torch.bool)
+    chosen = np.empty((rows, B // g), dtype=np.int64)
+    negative = np.empty((rows, B), dtype=bool)
     for k in range(B // g):
         cols = slice(b + k * g, b + (k + 1) * g)
-        w, s = W1[:, cols], step[:, k * g : (k + 1) * g]
-        magnitude = torch.where(s > 0, w.abs() / torch.where(s > 0, s, torch.ones_like(s)), torch.zeros_like(s))
-        omega = torch.diagonal(U1)[cols].square().reciprocal()
+        w, s = W[:, cols], step[:, k * g : (k + 1) * g]
+        magnitude = np.where(s > 0, np.abs(w) / np.where(s > 0, s, np.float32(1)), np.float32(0))
+        omega = np.float32(1) / np.square(np.diagonal(U)[cols])
         # Σ ω (m − p)² up to the rows' constant Σ ω m²: [rows, P]
-        dist = (omega * points.square()).sum(dim=1)[None, :] - 2 * (magnitude * omega) @ points.T
-        chosen[:, k] = dist.argmin(dim=1)
-        negative[:, cols.start - b : cols.stop - b] = w < 0
-        q = (s * points[chosen[:, k]]) * torch.where(w < 0, -1.0, 1.0)
+        dist = (omega * np.square(points)).sum(axis=1)[None, :] - 2 * (magnitude * omega) @ points.T
+        chosen[:, k] = dist.argmin(axis=1)
+        negative[:, k * g : (k + 1) * g] = w < 0
+        q = (s * points[chosen[:, k]]) * np.where(w < 0, np.float32(-1), np.float32(1))
         for c in range(g):
             i = cols.start + c
-            err = (W1[:, i] - q[:, c]) / U1[i, i]
-            W1[:, i + 1 :] -= err[:, None] * U1[i, i + 1 :]
-            Err1[:, i] = err
-    return chosen.numpy(), negative.numpy()
+            err = (W[:, i] - q[:, c]) / U[i, i]
+            W[:, i + 1 :] -= err[:, None] * U[i, i + 1 :]
+            E[:, i] = err
+    return chosen, negative
 
 
 def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfig) -> GGUFQuantResult:
@@ -163,7 +163,7 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
             if isinstance(grid, grids.LatticeGrid):
                 blocks.append(grids.pack_lattice(grid, *_round_lattice_block(W1, Err1, U1, b, grid)))
             else:
-                blocks.append(grids.pack(grid, _round_block(W1, Err1, U1, b, grid).numpy()))
+                blocks.append(grids.pack(grid, _round_block(W1, Err1, U1, b, grid)))
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
 
     data = np.concatenate(blocks, axis=1)

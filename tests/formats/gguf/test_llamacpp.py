@@ -46,10 +46,13 @@ def exported(tmp_path_factory, llama_cpp_runs):
     return get
 
 
-# every plain type but IQ4_NL (IQ4_XS's codebook in blocks of 32; its bytes are ggml's,
-# test_ggml_reference.py) and IQ3_S (the file is llama.cpp's own, byte for byte, below) and one
-# llama.cpp mix (the other mixes only combine these types differently)
-@pytest.mark.parametrize("target", [t for t in Target if t not in PRESETS | {Target.iq4_nl, Target.iq3_s}] + [Target.q4_k_m], ids=lambda t: t.value)
+# every plain type and one llama.cpp mix (the other mixes only combine these types differently), but the
+# i-quants: IQ4_XS is checked on its GPTQ file (tests/compress/export/test_calibrated.py), IQ4_NL is IQ4_XS's
+# codebook in blocks of 32 (its bytes are ggml's, test_ggml_reference.py), IQ3_S's file is llama.cpp's own (below)
+@pytest.mark.parametrize(
+    "target", [t for t in Target if t not in PRESETS | {Target.iq4_nl, Target.iq4_xs, Target.iq3_s}] + [Target.q4_k_m],
+    ids=lambda t: t.value,
+)
 def test_llama_cpp_loads_generates_and_agrees_with_our_evaluator(exported, eval_ids, target):
     """llama.cpp's perplexity of our file (its own logits, 512-token windows, no BOS) is within 0.5%
     of our evaluator's on transformers' dequantization of the same file."""
@@ -88,7 +91,7 @@ def half_reference(tmp_path_factory, llama_cpp_runs):
 
 
 @pytest.mark.parametrize(
-    "target, ftype", [(Target.q4_0, 2), (Target.q2_k, 10), (Target.q4_k, 14), (Target.q6_k, 18), (Target.iq3_s, 26)],
+    "target, ftype", [(Target.q4_0, 2), (Target.q2_k, 10), (Target.q4_k, 14), (Target.q6_k, 18)],
     ids=lambda v: getattr(v, "value", str(v)),
 )
 def test_our_file_is_llama_quantize_output(half_reference, tmp_path, target, ftype):
@@ -109,31 +112,36 @@ def test_our_file_is_llama_quantize_output(half_reference, tmp_path, target, fty
     assert not differing, differing
 
 
-def test_iq4_xs_mix_is_llama_cpps_iq4_xs_file_type(tmp_path, tiny_tokenizer, llama_cpp_runs):
-    """``llama_model_quantize`` of our F16 file to llama.cpp's IQ4_XS file type (its per-tensor rules, not
-    --pure), on an 8-block model with 4 query heads per KV head: the same tensor types and bytes as our
-    ``iq4_xs_mix`` export (attn_v Q5_K for the GQA, blk.0.ffn_down Q5_K without an imatrix, output Q6_K,
-    the rest IQ4_XS)."""
+@pytest.mark.parametrize("target, ftype, pure, blocks", [(Target.iq4_xs_mix, 30, False, 8), (Target.iq3_s, 26, True, 2)],
+                         ids=lambda v: getattr(v, "value", str(v)))
+def test_i_quant_file_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_cpp_runs, target, ftype, pure, blocks):
+    """``llama_model_quantize`` of our F16 file of a small float16 model (4 query heads per KV head) writes
+    the same tensor types and bytes as our export: IQ3_S ``--pure``, and llama.cpp's IQ4_XS file type with
+    its per-tensor rules (attn_v Q5_K for the GQA, blk.0.ffn_down Q5_K without an imatrix, output Q6_K, the
+    rest IQ4_XS) as our ``iq4_xs_mix``."""
     from gguf import GGUFReader
 
     from compress.formats.gguf import plan
     from compress.formats.gguf.sizes import GGMLType
     from conftest import save_random_model, tiny_llama_config
 
-    config = tiny_llama_config(len(tiny_tokenizer), hidden_size=256, intermediate_size=256, num_hidden_layers=8,
+    config = tiny_llama_config(len(tiny_tokenizer), hidden_size=256, intermediate_size=256, num_hidden_layers=blocks,
                                num_attention_heads=4, num_key_value_heads=1)
     model = save_random_model(config, tmp_path / "model", tiny_tokenizer, seed=3, dtype=torch.float16)
     f16, ours, theirs = tmp_path / "f16.gguf", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
     export_gguf(ExportConfig(model, f16, Target.f16))
-    export_gguf(ExportConfig(model, ours, Target.iq4_xs_mix))
-    quantize(f16, theirs, 30, pure=False, threads=2)  # LLAMA_FTYPE_MOSTLY_IQ4_XS
+    export_gguf(ExportConfig(model, ours, target))
+    quantize(f16, theirs, ftype, pure=pure, threads=2)
     a = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(ours)).tensors}
     b = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(theirs)).tensors}
     types = {k: v[0] for k, v in a.items()}
     assert types == {k: v[0] for k, v in b.items()}
+    assert not [k for k in a if a[k][1] != b[k][1]]
+    if target == Target.iq3_s:
+        assert set(types[k] for k in types if not k.endswith("norm.weight")) == {"IQ3_S"}
+        return
     assert types["blk.0.ffn_down.weight"] == types["blk.5.attn_v.weight"] == "Q5_K" and types["output.weight"] == "Q6_K"
     assert types["blk.1.ffn_down.weight"] == types["token_embd.weight"] == "IQ4_XS"
-    assert not [k for k in a if a[k][1] != b[k][1]]
     # with an importance-weighted fit (an imatrix, or GPTQ) llama.cpp keeps ffn_down at the base type
     assert plan.tensor_type(Target.iq4_xs_mix, "blk.0.ffn_down.weight", (256, 256), 8, False, n_gqa=4, has_imatrix=True) == GGMLType.IQ4_XS
 
