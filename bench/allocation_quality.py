@@ -16,7 +16,7 @@ an allocated plan beat the uniform settings of the same or larger size?
 
 from __future__ import annotations
 
-import argparse
+import sys
 import time
 from pathlib import Path
 
@@ -35,7 +35,8 @@ from compress.run.plan import load_sensitivity, uniform_plan
 from compress.run.recipe import parse_recipe
 from compress.run.runner import run_recipe
 
-REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from quality import quality_parser  # noqa: E402  (bench/ is the script's folder)
 
 
 def hessians(model, windows: torch.Tensor, names: list[str]) -> dict[str, torch.Tensor]:
@@ -84,12 +85,8 @@ def gptq_run(args, out: Path, stage: dict) -> dict:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", type=Path, default=REPO / "eval/assets/reference-llama")
-    ap.add_argument("--text", type=Path, default=REPO / "eval/assets/shakespeare-test-slice.txt")
-    ap.add_argument("--calib", type=Path, default=REPO / "eval/assets/shakespeare-calib-slice.txt")
-    ap.add_argument("--samples", type=int, default=64)
-    ap.add_argument("--seq-len", type=int, default=256)
+    ap = quality_parser(__doc__)
+    ap.set_defaults(seq_len=256)
     ap.add_argument("--candidates", default="w2g64,w2g128,w3g64,w3g128,w4g64,w4g128,w5g128,w8")
     ap.add_argument("--truth", default="w2g64,w3g128,w4g128")
     ap.add_argument("--targets", default="3.0,3.5,4.0")

@@ -209,8 +209,9 @@ def run_stages(
         if observer is not None:
             record["kv_cache"] = observer.record()
         write_config(recipe.model, tmp, record)
-        qc = packer.config(_packed_on_disk(handle, engine.packed), _dense_linears(handle, engine.packed)) if engine.packed else None
-        qc = with_kv_cache_scheme(qc, kv_scheme, _dense_linears(handle, engine.packed))
+        dense = _dense_linears(handle, engine.packed)
+        qc = packer.config(_packed_on_disk(handle, engine.packed), dense) if engine.packed else None
+        qc = with_kv_cache_scheme(qc, kv_scheme, dense)
         if qc is not None:
             _write_quantization_config(tmp, qc)
         evaluation = None

@@ -19,8 +19,9 @@ from __future__ import annotations
 import numpy as np
 
 from compress.formats.gguf._common import (
-    F32, GROUP_MAX_EPS, _running_sum, fp16_bytes, fp16_field, importance_weights, nibbles, safe_reciprocal, signed_absmax,
+    F32, GROUP_MAX_EPS, _running_sum, importance_weights, safe_reciprocal, signed_absmax,
 )
+from compress.formats.gguf.q4_0 import pack, unpack  # noqa: F401  IQ4_NL's block is Q4_0's: fp16 d, 32 codes as 16 bytes of nibbles
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.IQ4_NL
@@ -92,16 +93,6 @@ def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> np.ndarray:
 def round_codes(blocks: np.ndarray, d: np.ndarray) -> np.ndarray:
     """Codes ``[N, 32]``: the nearest entry of ``x·(1/d)`` (entry 8, the value 1, where d is 0)."""
     return nearest_level(blocks.astype(F32, copy=False) * safe_reciprocal(d))
-
-
-def pack(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
-    return np.concatenate([fp16_bytes(d), nibbles(codes[:, :16], codes[:, 16:])], axis=1)
-
-
-def unpack(data: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(stored ``d`` ``[N, 1]``, codes ``[N, 32]``)."""
-    qs = data[:, 2:18]
-    return fp16_field(data, 0), np.concatenate([qs & 15, qs >> 4], axis=1)
 
 
 def encode(blocks: np.ndarray) -> np.ndarray:
