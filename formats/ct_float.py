@@ -154,7 +154,7 @@ def tensors(quant, input_scale: torch.Tensor | None = None) -> dict[str, torch.T
         return out
     out = {"weight_packed": pack_fp4(quant.codes), "weight_scale": scale}
     if scheme.grid is FloatGrid.NVFP4:
-        out["weight_global_scale"] = torch.tensor([scheme.global_scale], dtype=torch.float32)
+        out["weight_global_scale"] = torch.tensor([scheme.global_scale], dtype=torch.float32, device=scale.device)
         if input_scale is not None:
             out["input_global_scale"] = input_scale.detach().reshape(1).float()
     return out

@@ -25,32 +25,64 @@ import triton.language as tl
 from compress.kernels.layouts import GroupPacked
 
 FUSED_MAX_M = 16
-_SM_TARGET = 264  # programs to aim for in split-K (2 waves on a 132-SM H100/H200)
+BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
+TUNE_MIN_WEIGHTS = 1 << 20
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"  # read once, as Triton itself does at import
+
+
+@triton.jit
+def _codes(words, sw_k, sw_n, k0, n, K, N, BITS: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+           UNPACK: tl.constexpr):
+    """int32 codes ``c[k, n]`` of columns ``k0 .. k0 + BLOCK_K`` and rows ``n`` as a ``[BLOCK_K, BLOCK_N]`` tile.
+
+    UNPACK loads each packed word once (a ``[BLOCK_K / per_word, BLOCK_N]`` tile) and splits it by shifts;
+    otherwise every code loads its own word (the same address ``per_word`` times, served by the cache)."""
+    per_word: tl.constexpr = 32 // BITS
+    code_mask: tl.constexpr = (1 << BITS) - 1
+    if UNPACK:
+        kw = k0 // per_word + tl.arange(0, BLOCK_K // per_word)
+        ok = (kw[:, None] < tl.cdiv(K, per_word)) & (n[None, :] < N)
+        word = tl.load(words + kw[:, None] * sw_k + n[None, :] * sw_n, mask=ok, other=0)
+        shifts = tl.arange(0, per_word) * BITS
+        codes = (word[:, None, :] >> shifts[None, :, None]) & code_mask  # the mask drops the sign bits
+        return tl.reshape(codes, (BLOCK_K, BLOCK_N))
+    k = k0 + tl.arange(0, BLOCK_K)[:, None]
+    word = tl.load(words + (k // per_word) * sw_k + n[None, :] * sw_n, mask=(k < K) & (n[None, :] < N), other=0)
+    return (word >> ((k % per_word) * BITS)) & code_mask
 
 
 @triton.jit
 def _weight_tile(
-    words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx,
-    n, k, k_ok, mask, group_width, zero_offset,
-    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
+    words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx, k0, n, K, N, zero_offset,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
+    BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr, UNPACK: tl.constexpr,
 ):
-    """Float32 ``W[n, k]`` for broadcastable index tensors ``n``, ``k`` (see layouts.py for the formula)."""
-    per_word = 32 // BITS
-    code_mask = (1 << BITS) - 1
-    word = tl.load(words + (k // per_word) * sw_k + n * sw_n, mask=mask, other=0)
-    code = (word >> ((k % per_word) * BITS)) & code_mask  # the mask drops the arithmetic shift's sign bits
+    """Float32 ``W[n, k]`` transposed, ``[BLOCK_K, BLOCK_N]`` (see layouts.py for the formula).
+
+    Without g_idx and with groups a multiple of BLOCK_K (tiles start at multiples of BLOCK_K), the tile lies in one
+    group: one row of scales (and zeros) serves it; otherwise each column looks its group up."""
+    per_word: tl.constexpr = 32 // BITS
+    code_mask: tl.constexpr = (1 << BITS) - 1
+    code = _codes(words, sw_k, sw_n, k0, n, K, N, BITS, BLOCK_K, BLOCK_N, UNPACK)
+    k = k0 + tl.arange(0, BLOCK_K)
+    n_row = n[None, :]
     if HAS_GIDX:
-        g = tl.load(g_idx + k, mask=k_ok, other=0)
+        g = tl.load(g_idx + k, mask=k < K, other=0)[:, None]
+        ok = (k[:, None] < K) & (n_row < N)
+    elif GROUP % BLOCK_K == 0:
+        g = k0 // GROUP
+        ok = n_row < N
     else:
-        g = k // group_width
-    scale = tl.load(scales + g * ss_g + n * ss_n, mask=mask, other=0.0).to(tl.float32)
+        g = (k // GROUP)[:, None]
+        ok = (k[:, None] < K) & (n_row < N)
+    scale = tl.load(scales + g * ss_g + n_row * ss_n, mask=ok, other=0.0).to(tl.float32)
     if HAS_ZEROS:
-        zword = tl.load(zeros + g * sz_g + (n // per_word) * sz_n, mask=mask, other=0)
-        zero = ((zword >> ((n % per_word) * BITS)) & code_mask) + zero_offset
+        zword = tl.load(zeros + g * sz_g + (n_row // per_word) * sz_n, mask=ok, other=0)
+        zero = (((zword >> ((n_row % per_word) * BITS)) & code_mask) + zero_offset).to(tl.float32)
     else:
-        zero = tl.full(code.shape, 1 << (BITS - 1), tl.int32)
+        zero = tl.full((1, 1), 1 << (BITS - 1), tl.float32)  # the symmetric grid's midpoint
     # (c - z) * s in float32, the references' order: c - z is exact, one rounding in the product
-    return (code.to(tl.float32) - zero.to(tl.float32)) * scale
+    return (code.to(tl.float32) - zero) * scale
 
 
 @triton.jit
@@ -65,54 +97,72 @@ def _cast(w, dtype: tl.constexpr):
 
 
 @triton.jit
+def _round(w, dtype: tl.constexpr, INTERPRET: tl.constexpr):
+    """`_cast` under the interpreter; the hardware's round-to-nearest-even conversion (the same bits) on a GPU."""
+    if INTERPRET:
+        return _cast(w, dtype)
+    return w.to(dtype)
+
+
+@triton.jit
 def _dequant_kernel(
-    words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx, out,
-    N, K, group_width, zero_offset,
-    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx, out, N, K, zero_offset,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNPACK: tl.constexpr,
 ):
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)[:, None]
-    k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)[None, :]
-    k_ok = k < K
-    mask = (n < N) & k_ok
-    w = _weight_tile(words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx,
-                     n, k, k_ok, mask, group_width, zero_offset, BITS, HAS_ZEROS, HAS_GIDX)
-    tl.store(out + n * K + k, _cast(w, out.dtype.element_ty), mask=mask)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    k = k0 + tl.arange(0, BLOCK_K)[:, None]
+    w = _weight_tile(words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx, k0, n, K, N, zero_offset,
+                     BITS, GROUP, HAS_ZEROS, HAS_GIDX, BLOCK_K, BLOCK_N, UNPACK)
+    tl.store(out + n[None, :] * K + k, _round(w, out.dtype.element_ty, INTERPRET), mask=(k < K) & (n[None, :] < N))
 
 
 @triton.jit
 def _fused_kernel(
-    x, sx_m, sx_k, words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx, acc_out,
-    M, N, K, k_per_split, group_width, zero_offset,
-    BITS: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr, SPLIT: tl.constexpr,
+    x, sx_m, sx_k, words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx, acc_out, M, N, K, zero_offset,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
     IEEE: tl.constexpr, INTERPRET: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    UNPACK: tl.constexpr,
 ):
-    """``acc_out [M, N]`` float32 (+)= ``x[:, ks] @ W[:, ks].T`` over this program's K slice."""
+    """``acc_out [M, N]`` float32 (zeroed) += ``x[:, ks] @ W[:, ks].T`` over this program's share of the K blocks."""
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_start = tl.program_id(2) * k_per_split
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_blocks, tl.num_programs(2))
+    first = tl.program_id(2) * per_split
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(k_start, k_start + k_per_split, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        a = tl.load(x + m[:, None] * sx_m + k[None, :] * sx_k, mask=(m[:, None] < M) & k_ok[None, :], other=0.0)
-        kk = k[:, None]
-        w = _weight_tile(words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx,
-                         n[None, :], kk, kk < K, (kk < K) & (n[None, :] < N), group_width, zero_offset,
-                         BITS, HAS_ZEROS, HAS_GIDX)
+    for kb in range(first, tl.minimum(first + per_split, k_blocks)):
+        k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+        a = tl.load(x + m[:, None] * sx_m + k[None, :] * sx_k, mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
+        w = _weight_tile(words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx, kb * BLOCK_K, n, K, N,
+                         zero_offset, BITS, GROUP, HAS_ZEROS, HAS_GIDX, BLOCK_K, BLOCK_N, UNPACK)
         # the weight in the activation dtype (as the dequant-then-matmul path does), fp32 accumulation
         if IEEE:
             acc += tl.dot(a, w, input_precision="ieee")
         elif INTERPRET:  # the interpreter's bf16 dot is wrong; bf16·bf16 products are exact in fp32 anyway
             acc += tl.dot(a.to(tl.float32), _cast(w, a.dtype).to(tl.float32), input_precision="ieee")
         else:
-            acc += tl.dot(a, _cast(w, a.dtype))
+            acc += tl.dot(a, w.to(a.dtype))
     ptrs = acc_out + m[:, None] * N + n[None, :]
     ok = (m[:, None] < M) & (n[None, :] < N)
-    if SPLIT:
+    if tl.num_programs(2) > 1:
         tl.atomic_add(ptrs, acc, mask=ok)
     else:
         tl.store(ptrs, acc, mask=ok)
+
+
+# Tile shapes the GPU autotuner tries (per N, K): the word-unpacking and the per-code loads, narrow and wide tiles.
+def _configs(shapes, warps_stages) -> list[triton.Config]:
+    return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "UNPACK": unpack}, num_warps=w, num_stages=st)
+            for bn, bk in shapes for unpack in (1, 0) for w, st in warps_stages]
+
+
+FUSED_CONFIGS = (_configs([(64, 128), (128, 128), (64, 256), (32, 256)], [(4, 3)]) + _configs([(128, 256)], [(8, 3)])
+                 + _configs([(32, 128), (16, 256)], [(2, 4)]))
+DEQUANT_CONFIGS = _configs([(64, 64), (128, 64), (64, 128)], [(4, 2)])
+_fused_tuned = triton.autotune(FUSED_CONFIGS, key=["N", "K"], reset_to_zero=["acc_out"])(_fused_kernel)
+_dequant_tuned = triton.autotune(DEQUANT_CONFIGS, key=["N", "K"])(_dequant_kernel)
 
 
 def _args(desc: GroupPacked) -> tuple:
@@ -122,43 +172,59 @@ def _args(desc: GroupPacked) -> tuple:
     return (desc.words, *desc.word_strides, desc.scales, *desc.scale_strides, zeros, *desc.zero_strides, g_idx)
 
 
-def dequantize(desc: GroupPacked, dtype: torch.dtype = torch.float32, block_n: int = 32, block_k: int = 64) -> torch.Tensor:
+def _flags(desc: GroupPacked) -> dict:
+    return dict(BITS=desc.bits, GROUP=desc.group_width, HAS_ZEROS=desc.zeros is not None,
+                HAS_GIDX=desc.g_idx is not None, INTERPRET=INTERPRET)
+
+
+def _tile(block_n: int | None, block_k: int | None, unpack: bool | None, default: tuple[int, int],
+          weights: int) -> dict | None:
+    """Explicit tile meta-parameters, or None to let the autotuner choose: on a GPU, for a weight of at least
+    `TUNE_MIN_WEIGHTS` (tuning compiles every config once per layout: worth it for real layers only)."""
+    if block_n is None and block_k is None and unpack is None and not INTERPRET and weights >= TUNE_MIN_WEIGHTS:
+        return None
+    return {"BLOCK_N": block_n or default[0], "BLOCK_K": block_k or default[1], "UNPACK": True if unpack is None else unpack}
+
+
+def dequantize(desc: GroupPacked, dtype: torch.dtype = torch.float32, block_n: int | None = None,
+               block_k: int | None = None, unpack: bool | None = None) -> torch.Tensor:
     """The ``[N, K]`` weight in ``dtype`` (float32: bit-identical to the torch reference)."""
     n, k = desc.out_features, desc.in_features
     out = torch.empty(n, k, dtype=dtype, device=desc.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
-    _dequant_kernel[grid](
-        *_args(desc), out, n, k, desc.group_width, desc.zero_offset,
-        BITS=desc.bits, HAS_ZEROS=desc.zeros is not None, HAS_GIDX=desc.g_idx is not None,
-        BLOCK_N=block_n, BLOCK_K=block_k,
-    )
+    tile = _tile(block_n, block_k, unpack, (32, 64), n * k)
+    kernel = _dequant_tuned if tile is None else _dequant_kernel
+    grid = lambda meta: (triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(k, meta["BLOCK_K"]))  # noqa: E731
+    kernel[grid](*_args(desc), out, n, k, desc.zero_offset, **_flags(desc), **(tile or {}))
     return out
 
 
-def _split_k(n_programs: int, k_blocks: int) -> int:
-    """How many K slices: enough programs to fill the GPU, each slice still a few K blocks long."""
-    return max(1, min(k_blocks // 4, triton.cdiv(_SM_TARGET, n_programs)))
+def _split_k(n_programs: int, k_blocks: int, target: int) -> int:
+    """How many K slices: enough programs to fill the GPU twice, each slice still two K blocks or more."""
+    return max(1, min(k_blocks // 2, triton.cdiv(target, n_programs)))
 
 
-def fused_matmul(x: torch.Tensor, desc: GroupPacked, block_n: int = 64, block_k: int = 64, split_k: int | None = None) -> torch.Tensor:
+def _program_target(device: torch.device) -> int:
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+
+
+def fused_matmul(x: torch.Tensor, desc: GroupPacked, block_n: int | None = None, block_k: int | None = None,
+                 split_k: int | None = None, unpack: bool | None = None) -> torch.Tensor:
     """``x [M, K] @ W.T -> [M, N]`` in ``x.dtype``, dequantizing inside the GEMM (meant for M ≤ 16)."""
     if x.dim() != 2 or x.shape[1] != desc.in_features:
         raise ValueError(f"x must be [M, {desc.in_features}], got {list(x.shape)}")
     m, n, k = x.shape[0], desc.out_features, desc.in_features
-    block_m = 16  # tl.dot's smallest tile; rows past M are masked
-    k_blocks = triton.cdiv(k, block_k)
-    grid_nm = triton.cdiv(n, block_n) * triton.cdiv(m, block_m)
-    split = split_k if split_k is not None else _split_k(grid_nm, k_blocks)
-    k_per_split = triton.cdiv(k_blocks, split) * block_k
-    split = triton.cdiv(k, k_per_split)
-    acc = (torch.zeros if split > 1 else torch.empty)(m, n, dtype=torch.float32, device=x.device)
-    grid = (triton.cdiv(n, block_n), triton.cdiv(m, block_m), split)
-    _fused_kernel[grid](
-        x, x.stride(0), x.stride(1), *_args(desc), acc,
-        m, n, k, k_per_split, desc.group_width, desc.zero_offset,
-        BITS=desc.bits, HAS_ZEROS=desc.zeros is not None, HAS_GIDX=desc.g_idx is not None, SPLIT=split > 1,
-        IEEE=x.dtype == torch.float32, INTERPRET=os.environ.get("TRITON_INTERPRET") == "1", BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-    )
+    target = _program_target(x.device)
+
+    def grid(meta):
+        tiles = triton.cdiv(n, meta["BLOCK_N"]) * triton.cdiv(m, BLOCK_M)
+        split = split_k or _split_k(tiles, triton.cdiv(k, meta["BLOCK_K"]), target)
+        return triton.cdiv(n, meta["BLOCK_N"]), triton.cdiv(m, BLOCK_M), split
+
+    acc = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    tile = _tile(block_n, block_k, unpack, (64, 64), n * k)
+    kernel = _fused_tuned if tile is None else _fused_kernel
+    kernel[grid](x, x.stride(0), x.stride(1), *_args(desc), acc, m, n, k, desc.zero_offset, **_flags(desc),
+                 IEEE=x.dtype == torch.float32, BLOCK_M=BLOCK_M, **(tile or {}))
     return acc.to(x.dtype)
 
 

@@ -89,9 +89,7 @@ class CheckpointNames:
             if stored is not None:
                 return f"{stored.rpartition('.')[0]}.{leaf}"
         if self._reverse:
-            from transformers.core_model_loading import apply_renamings
-
-            return apply_renamings(name, self._reverse)
+            return _apply_renamings(name, self._reverse)
         return name
 
     def disk_module(self, name: str) -> str:
@@ -195,11 +193,17 @@ def _on_disk_layout(model: nn.Module, module: nn.Module, prefix: str) -> dict[tu
     return layout if len(layout) == len(slices) else {}
 
 
+
+def _apply_renamings(name: str, renamings: list) -> str:
+    """``name`` through each `WeightRenaming` in turn (transformers' ``apply_renamings``, which releases
+    before 5.24 lack; ``rename_source_key`` is the method every release has)."""
+    for renaming in renamings:
+        name, _ = renaming.rename_source_key(name)
+    return name
+
 def unfuse_experts(model: nn.Module, disk_names: set[str], transforms: list) -> list[str]:
     """Replace each fused experts module whose checkpoint holds per-expert tensors by an `UnfusedExperts`
     with one ``nn.Linear`` per on-disk projection; returns the replaced modules' names."""
-    from transformers.core_model_loading import apply_renamings
-
     renamings = _renamings(transforms)
     replaced = []
     for prefix, module in list(model.named_modules()):
@@ -215,7 +219,7 @@ def unfuse_experts(model: nn.Module, disk_names: set[str], transforms: list) -> 
         for (role, expert, kind), disk in layout.items():
             if kind != "weight":
                 continue
-            name = apply_renamings(disk, renamings).removesuffix(".weight")
+            name = _apply_renamings(disk, renamings).removesuffix(".weight")
             if not name.startswith(prefix + "."):
                 raise CompressError(
                     f"{disk} is {name} after transformers' renamings, outside {prefix}: this MoE layout is not supported"

@@ -6,42 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kernel_cases import FLOAT_CASES, float_layer
 from references import random_weight
 from compress.formats import ct_float
 from compress.kernels.layouts import FloatPacked, describe_float, describe_layer
 from compress.kernels.quant_linear import QuantLinear
-from compress.quantizers.float_grid import FloatGrid, FloatScheme
-from compress.quantizers.rtn import rtn
+from compress.quantizers.float_grid import FloatGrid
 
 triton_float = pytest.importorskip("compress.kernels.triton_float")
 
-CASES = {  # name: (scheme, shape)
-    "fp8-block": (FloatScheme(FloatGrid.FP8, 32, 16), (37, 96)),  # 37 rows: a 5-row last block
-    "fp8-block-128": (FloatScheme(FloatGrid.FP8, 128, 128), (130, 128)),
-    "fp8-channel": (FloatScheme(FloatGrid.FP8, -1), (5, 36)),
-    "fp8-tensor": (FloatScheme(FloatGrid.FP8, -1, -1), (9, 80)),
-    "nvfp4": (FloatScheme(FloatGrid.NVFP4, 16), (37, 80)),
-    "mxfp4": (FloatScheme(FloatGrid.MXFP4, 32), (20, 96)),
-}
 
-
-def _layer(name: str, seed: int = 0):
-    """(tensors, reference dequantizer, descriptor) of a random weight in the named layout."""
-    scheme, shape = CASES[name]
-    w = random_weight(shape, seed) * 0.05
-    w[0, : min(32, shape[1])] = 0.0  # an all-zero group (MXFP4: the subnormal scale byte 0)
-    quant = rtn(w, scheme)
-    tensors = ct_float.tensors(quant)
-    if scheme.grid is FloatGrid.FP8:
-        block = (scheme.block_rows, scheme.group_size) if scheme.block_rows > 1 else None
-        reference = lambda t: ct_float.dequantize_fp8(t, block)  # noqa: E731
-        return tensors, reference, describe_float(tensors, FloatGrid.FP8, block)
-    return tensors, lambda t: ct_float.dequantize_fp4(t, scheme.grid), describe_float(tensors, scheme.grid)
-
-
-@pytest.mark.parametrize("name", sorted(CASES))
+@pytest.mark.parametrize("name", sorted(FLOAT_CASES))
 def test_dequant_is_bit_exact(name):
-    tensors, reference, desc = _layer(name)
+    tensors, reference, desc = float_layer(name)
     expected = reference(tensors)
     assert torch.equal(triton_float.dequantize(desc), expected)
     assert torch.equal(triton_float.dequantize(desc, torch.bfloat16), expected.to(torch.bfloat16))  # rounded once
@@ -68,7 +45,7 @@ def test_every_e4m3_byte_and_every_fp4_scale_byte():
 def test_quant_linear_kernel_forward_matches_its_reference_forward():
     import functools
 
-    tensors, _, _ = _layer("nvfp4", seed=3)
+    tensors, _, _ = float_layer("nvfp4", seed=3)
     dequantize = functools.partial(ct_float.dequantize_fp4, grid=FloatGrid.NVFP4)
     layer = QuantLinear(80, 37, tensors, dequantize, bias=random_weight((37,), seed=5), layout="nvfp4-pack-quantized")
     desc = describe_layer(layer)

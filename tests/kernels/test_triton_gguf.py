@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from kernel_cases import random_blocks
 from references import random_weight
 
 gguf_quants = pytest.importorskip("gguf.quants")
@@ -13,21 +14,6 @@ from gguf import GGMLQuantizationType  # noqa: E402
 
 triton_gguf = pytest.importorskip("compress.kernels.triton_gguf")
 GGUFBlock = triton_gguf.GGUFBlock
-
-# where each block's float16 factors live: random bytes there could be NaN/inf, so they are overwritten
-F16_OFFSETS = {GGUFBlock.Q4_0: (0,), GGUFBlock.Q8_0: (0,), GGUFBlock.Q4_K: (0, 2), GGUFBlock.Q6_K: (208,),
-               GGUFBlock.IQ4_NL: (0,), GGUFBlock.IQ4_XS: (0,), GGUFBlock.IQ3_S: (0,)}
-
-
-def random_blocks(block: GGUFBlock, n_blocks: int, seed: int) -> np.ndarray:
-    """Every byte random (all code, scale and min bit patterns), the f16 factors finite and varied."""
-    rng = np.random.default_rng(seed)
-    size = block.size
-    data = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
-    for off in F16_OFFSETS[block]:
-        factors = (rng.standard_normal(n_blocks) * 10.0 ** rng.integers(-4, 2, n_blocks)).astype(np.float16)
-        data[:, off:off + 2] = factors.view(np.uint8).reshape(n_blocks, 2)
-    return data
 
 
 @pytest.mark.parametrize("block", list(GGUFBlock))
