@@ -37,6 +37,9 @@ def run_cli(argv: list[str], log_path: str, slow_writes: float = 0.0) -> None:
     os.dup2(fd, 1)
     os.dup2(fd, 2)
     torch.set_num_threads(1)
+    # Ctrl-C as in a foreground terminal: a test run started in the background (`nohup ... &`, a CI runner's
+    # shell) inherits SIGINT ignored, and Python then installs no KeyboardInterrupt handler
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     if slow_writes:
         from compress.checkpoints.shards import ShardedWriter
 
