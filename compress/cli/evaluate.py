@@ -26,23 +26,46 @@ def eval_ppl(
         None, "--kv-cache",
         help="Simulate a quantized KV cache in the attention: fp8, int8, int4, q8_0, q4_0 or none (default: the checkpoint's calibrated kv_cache, if any).",
     ),
+    reference_cache: Optional[Path] = typer.Option(
+        None, "--reference-cache",
+        help="A file --save-reference wrote: KLD from the reference's stored top-k log-probabilities, without running it "
+             "(a lower bound of the full KLD: the tokens outside the top-k count as one outcome).",
+    ),
+    save_reference: Optional[Path] = typer.Option(
+        None, "--save-reference",
+        help="Treat MODEL as the reference: write its top-k log-probabilities per scored token to this file (or "
+             "directory) for later --reference-cache runs on the same text, --ctx, --stride and --max-tokens.",
+    ),
+    top_k: int = typer.Option(256, "--top-k", help="With --save-reference: log-probabilities kept per token."),
     device: str = DEVICE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Sliding-window perplexity (and KLD against a reference model)."""
+    """Sliding-window perplexity (and KLD against a reference model or a saved reference)."""
     from compress.checkpoints.gguf_source import checkpoint_source
-    from compress.eval.checkpoint import evaluate_checkpoint
+    from compress.errors import CompressError
+    from compress.eval.checkpoint import evaluate_checkpoint, save_reference_checkpoint
     from compress.eval.kv_cache import parse_kv_cache
 
     kv_choice = parse_kv_cache(kv_cache)
+    if save_reference is not None and (reference is not None or reference_cache is not None or kv_cache not in (None, "none")):
+        raise CompressError("--save-reference runs MODEL as the reference (unquantized KV cache): drop --reference, --reference-cache and --kv-cache")
 
+    saved = None
     with progress_bars(not as_json) as progress, checkpoint_source(model, progress) as model_dir, \
             checkpoint_source(reference, progress) if reference is not None else nullcontext() as reference_dir:
-        result = evaluate_checkpoint(
-            model_dir, text, ctx, stride, batch_size, reference_dir, device, max_tokens, lambda d, t: progress("evaluation", d, t),
-            kv_cache=kv_choice,
-        )
+        on_batch = lambda d, t: progress("evaluation", d, t)  # noqa: E731
+        if save_reference is not None:
+            result, saved = save_reference_checkpoint(
+                model_dir, text, save_reference, ctx, stride, top_k, batch_size, device, max_tokens, on_batch, source=str(model),
+            )
+        else:
+            result = evaluate_checkpoint(
+                model_dir, text, ctx, stride, batch_size, reference_dir, device, max_tokens, on_batch,
+                kv_cache=kv_choice, reference_cache_path=reference_cache,
+            )
     data = {"model": str(model), "text": str(text), "ctx": ctx, "stride": stride or ctx, **result.to_dict()}
+    if saved is not None:
+        data.update(saved_reference=str(saved), top_k=top_k)
     if as_json:
         print_json(data)
         return
@@ -52,9 +75,11 @@ def eval_ppl(
         "tokens/s": f"{result.tokens_per_second:.0f}",
         "KV cache": result.kv_cache or "as computed (not quantized)",
     }
+    if saved is not None:
+        rows["saved reference (top-k)"] = f"{saved} ({top_k})"
     if result.kld is not None:
         rows["reference perplexity"] = f"{result.ref_perplexity:.4f}"
-        rows["mean KLD vs reference"] = f"{result.kld:.6f}"
+        rows["mean KLD vs reference" + (" (top-k, lower bound)" if reference_cache is not None else "")] = f"{result.kld:.6f}"
         rows["KLD 99th percentile"] = f"{result.kld_p99:.6f}"
     stdout.print(key_value_table(f"{model} on {text.name}", rows))
 

@@ -9,9 +9,17 @@ from compress.run.runner import run_recipe
 from conftest import CALIB_TEXT, EVAL_TEXT, REFERENCE_MODEL
 
 SETTINGS = [(4, -1), (3, 128), (2, 64)]
+_KLD: dict[tuple, float] = {}  # each run once, shared by the tests of this module
 
 
 def quantized_kld(tmp_path, method: str, bits: int, group: int, **options) -> float:
+    key = (method, bits, group, *sorted(options.items()))
+    if key not in _KLD:
+        _KLD[key] = _run(tmp_path, method, bits, group, **options)
+    return _KLD[key]
+
+
+def _run(tmp_path, method: str, bits: int, group: int, **options) -> float:
     stage = {"method": method, "bits": bits, "group_size": group, **options}
     data = {
         "model": REFERENCE_MODEL,

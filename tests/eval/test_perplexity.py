@@ -6,6 +6,7 @@ import copy
 import math
 import random
 
+import numpy as np
 import pytest
 import torch
 from torch.distributions import Categorical, kl_divergence
@@ -216,3 +217,55 @@ def test_evaluate_rejects_too_few_or_badly_shaped_tokens(model, tokens):
 def test_vocab_mismatch_with_reference(model, tokens):
     with pytest.raises(CompressError, match="vocab"):
         evaluate(model, tokens, ctx=64, reference=tiny_model(vocab_size=VOCAB + 4))
+
+
+# --- streaming: log-probabilities taken chunk by chunk -------------------------------------------
+
+
+@pytest.mark.parametrize("chunk", [1, 5, 16])
+def test_chunked_log_probs_match_per_token_computation(model, perturbed, tokens, monkeypatch, chunk):
+    """Chunks smaller than the scored span of a window (and not dividing it) change no figure."""
+    import compress.eval.perplexity as perplexity
+
+    monkeypatch.setattr(perplexity, "POSITION_CHUNK", chunk)
+    expected = slow_kld(perturbed, model, tokens, 48, 17)
+    result = evaluate(perturbed, tokens, ctx=48, stride=17, batch_size=2, reference=model)
+    assert result.kld == pytest.approx(expected.mean().item(), rel=1e-4)
+    assert result.perplexity == pytest.approx(slow_perplexity(perturbed, tokens, 48, 17)[0], rel=1e-4)
+
+
+def test_streamed_kld_matches_float64_textbook_on_the_reference_model():
+    """On the 5 M reference model against a copy perturbed to roughly RTN-w4's KLD: the float32, chunked
+    computation equals a float64 log-softmax KL to ~1e-6 relative, windows longer than one chunk."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from conftest import EVAL_TEXT, REFERENCE_MODEL
+
+    reference = AutoModelForCausalLM.from_pretrained(REFERENCE_MODEL).eval()
+    ids = AutoTokenizer.from_pretrained(REFERENCE_MODEL)(EVAL_TEXT.read_text(), add_special_tokens=False)["input_ids"]
+    tokens = torch.tensor(ids[:900])
+    model = copy.deepcopy(reference)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(torch.randn(p.shape, generator=gen) * 0.05 * p.std())
+    ctx, stride = 300, 300  # 299 or 300 scored positions per window: three chunks of 128
+    kls, nll, ref_nll = [], 0.0, 0.0
+    with torch.no_grad():
+        for w in sliding_windows(len(tokens), ctx, stride):
+            x = tokens[w.begin : w.end][None]
+            lp = model(input_ids=x).logits[0].double().log_softmax(-1)
+            ref_lp = reference(input_ids=x).logits[0].double().log_softmax(-1)
+            for t in range(w.score_from, w.end):
+                row = t - w.begin - 1
+                kls.append((ref_lp[row].exp() * (ref_lp[row] - lp[row])).sum())
+                nll -= lp[row, tokens[t]].item()
+                ref_nll -= ref_lp[row, tokens[t]].item()
+    expected = torch.stack(kls)
+    result = evaluate(model, tokens, ctx=ctx, stride=stride, batch_size=2, reference=reference)
+    assert result.tokens_scored == len(expected) == len(tokens) - 1
+    assert 0.003 < result.kld < 0.1
+    assert result.kld == pytest.approx(expected.mean().item(), rel=5e-6)
+    assert result.kld_p99 == pytest.approx(float(np.percentile(expected.numpy(), 99)), rel=2e-5)
+    assert result.mean_nll == pytest.approx(nll / len(expected), rel=1e-6)
+    assert result.ref_perplexity == pytest.approx(math.exp(ref_nll / len(expected)), rel=1e-6)
