@@ -41,6 +41,7 @@ from compress.pruners.result import PruneResult
 from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, quantize
 from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, solver_inputs
 from compress.quantizers.result import QuantResult
+from compress.quantizers.threads import one_thread
 
 
 @dataclass(frozen=True)
@@ -98,28 +99,29 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
         else:
             saliency = W1.square() / d2
             mask1 = prune_lowest_per_row(saliency.reshape(1, -1), pattern.sparsity).reshape(W1.shape)
-        for i in range(i2 - i1):
-            j = i1 + i
-            if isinstance(pattern, NM) and j % pattern.m == 0:
-                cols = slice(i, i + pattern.m)
-                mask1[:, cols] = prune_lowest_nm(W1[:, cols].square() / d2[:, cols], pattern.n, pattern.m)
-            w = W1[:, i : i + 1]
-            q = torch.where(mask1[:, i : i + 1], torch.zeros_like(w), w)
-            if scheme is not None:
-                g = j // width
-                if j % width == 0:  # the group's grid from its columns as they are now (as GPTQ)
-                    cols_now = W1[:, i : i + width]
-                    if j + width > i2:
-                        pending = W[:, i2 : j + width] - Err1 @ U[i1:i2, i2 : j + width]
-                        cols_now = torch.cat([cols_now, pending], dim=1)
-                    scale[:, g : g + 1], zero[:, g : g + 1] = compute_qparams(cols_now, scheme)
-                s, z = scale[:, g : g + 1], zero[:, g : g + 1]
-                codes[:, j : j + 1] = quantize(q, s, z, column)  # a pruned zero maps to the zero point
-                q = dequantize(codes[:, j : j + 1], s, z, column)
-            Q[:, j : j + 1] = q
-            err = (w - q) / U1[i, i]
-            W1[:, i + 1 :] -= err @ U1[i : i + 1, i + 1 :]
-            Err1[:, i : i + 1] = err
+        with one_thread(W.device):  # small per-column operations: see quantizers/threads.py
+            for i in range(i2 - i1):
+                j = i1 + i
+                if isinstance(pattern, NM) and j % pattern.m == 0:
+                    cols = slice(i, i + pattern.m)
+                    mask1[:, cols] = prune_lowest_nm(W1[:, cols].square() / d2[:, cols], pattern.n, pattern.m)
+                w = W1[:, i : i + 1]
+                q = torch.where(mask1[:, i : i + 1], torch.zeros_like(w), w)
+                if scheme is not None:
+                    g = j // width
+                    if j % width == 0:  # the group's grid from its columns as they are now (as GPTQ)
+                        cols_now = W1[:, i : i + width]
+                        if j + width > i2:
+                            pending = W[:, i2 : j + width] - Err1 @ U[i1:i2, i2 : j + width]
+                            cols_now = torch.cat([cols_now, pending], dim=1)
+                        scale[:, g : g + 1], zero[:, g : g + 1] = compute_qparams(cols_now, scheme)
+                    s, z = scale[:, g : g + 1], zero[:, g : g + 1]
+                    codes[:, j : j + 1] = quantize(q, s, z, column)  # a pruned zero maps to the zero point
+                    q = dequantize(codes[:, j : j + 1], s, z, column)
+                Q[:, j : j + 1] = q
+                err = (w - q) / U1[i, i]
+                W1[:, i + 1 :] -= err @ U1[i : i + 1, i + 1 :]
+                Err1[:, i : i + 1] = err
         pruned[:, i1:i2] = mask1
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
 

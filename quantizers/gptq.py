@@ -51,6 +51,7 @@ import torch
 
 from compress.quantizers.grid import mse_qparams
 from compress.quantizers.result import Grid, QuantResult
+from compress.quantizers.threads import one_thread
 
 
 @dataclass(frozen=True)
@@ -143,25 +144,26 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         W1 = W[:, i1:i2].clone()
         Err1 = torch.zeros_like(W1)
         U1 = U[i1:i2, i1:i2]
-        for i in range(i2 - i1):
-            j, g = i1 + i, group_of[i1 + i]
-            if not config.act_order and j % width == 0:
-                # The group's grid from its columns as they are now: in-block columns from W1,
-                # later ones from W with this block's pending updates applied.
-                cols = W1[:, i : i + width]
-                if j + width > i2:
-                    pending = W[:, i2 : j + width] - Err1 @ U[i1:i2, i2 : j + width]
-                    cols = torch.cat([cols, pending], dim=1)
-                s, z = qparams(cols)
-                scale[:, g : g + 1], zero[:, g : g + 1] = s, z
-            s, z = scale[:, g : g + 1], zero[:, g : g + 1]
-            w = W1[:, i : i + 1]
-            q = column.quantize(w, s, z)
-            deq = column.dequantize(q, s, z)
-            codes[:, j : j + 1], Q[:, j : j + 1] = q, deq
-            err = (w - deq) / U1[i, i]
-            W1[:, i + 1 :] -= err @ U1[i : i + 1, i + 1 :]
-            Err1[:, i : i + 1] = err
+        with one_thread(W.device):  # small per-column operations: see quantizers/threads.py
+            for i in range(i2 - i1):
+                j, g = i1 + i, group_of[i1 + i]
+                if not config.act_order and j % width == 0:
+                    # The group's grid from its columns as they are now: in-block columns from W1,
+                    # later ones from W with this block's pending updates applied.
+                    cols = W1[:, i : i + width]
+                    if j + width > i2:
+                        pending = W[:, i2 : j + width] - Err1 @ U[i1:i2, i2 : j + width]
+                        cols = torch.cat([cols, pending], dim=1)
+                    s, z = qparams(cols)
+                    scale[:, g : g + 1], zero[:, g : g + 1] = s, z
+                s, z = scale[:, g : g + 1], zero[:, g : g + 1]
+                w = W1[:, i : i + 1]
+                q = column.quantize(w, s, z)
+                deq = column.dequantize(q, s, z)
+                codes[:, j : j + 1], Q[:, j : j + 1] = q, deq
+                err = (w - deq) / U1[i, i]
+                W1[:, i + 1 :] -= err @ U1[i : i + 1, i + 1 :]
+                Err1[:, i : i + 1] = err
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
 
     g_idx = None
