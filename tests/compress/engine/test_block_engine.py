@@ -315,3 +315,24 @@ def test_true_sequential_statistics_see_quantized_earlier_groups(tmp_path):
     original = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     q = "model.layers.0.self_attn.q_proj"
     torch.testing.assert_close(seen[q].double(), reference_hessians(original, [q], calibration)[q], rtol=1e-4, atol=1e-5)
+
+
+def test_statistics_passes_stop_after_their_group(tmp_path):
+    """True-sequential: the q/k/v pass stops before the attention, the o pass before the MLP, the gate/up pass
+    before down_proj; only down_proj's pass runs the whole block (counted by hooks on the model's modules)."""
+    from collections import Counter
+
+    model_dir = save_random_model(tiny_llama_config(VOCAB, num_hidden_layers=1), tmp_path / "in")
+    calibration = torch.randint(0, VOCAB, (4, 20), generator=torch.Generator().manual_seed(4))
+    handle = open_model(model_dir)
+    calls = Counter()
+    for name, module in handle.model.named_modules():
+        if name.endswith(("q_proj", "o_proj", "up_proj", "down_proj")):
+            module.register_forward_pre_hook(lambda _m, _a, short=name.rsplit(".", 1)[1]: calls.update([short]))
+    stages = [Stage(SequentialRTN(RTN.Config(bits=4, group_size=32)), quantizable_layers(handle.model, [handle.block_name(0)]))]
+    (tmp_path / "out").mkdir()
+    writer = ShardedWriter(tmp_path / "out", 1 << 30)
+    Engine(handle, stages, batch_size=2).run(writer, calibration)
+    writer.close()
+    # 2 batches; one sample batch learns the call order; 4 group passes; no propagation after the last block
+    assert calls == {"q_proj": 1 + 4 * 2, "o_proj": 1 + 3 * 2, "up_proj": 1 + 2 * 2, "down_proj": 1 + 1 * 2}
