@@ -16,6 +16,10 @@ approximates ``Wx`` with a smaller relative error on the salient channels.
    partial output ``Σ_k x_k w_k`` over sample tokens ``x [n_tokens, in]``.
 3. Quantize with the shared grid at that range (`compress.quantizers.rtn.rtn` with ``shrink``).
 
+Any `Grid` serves: the integer grid, or a float grid (FP8 per channel, NVFP4, MXFP4: AWQ for FP4 as
+llm-compressor runs it). NVFP4's per-tensor global scale is refitted on each candidate (scaled) weight,
+as it is when the layer is finally quantized; the clipping shrinks each E4M3/E8M0 group scale.
+
 Shapes: weights ``[out, in]``; ``x_mean`` ``[in]``; returned scales ``[in]``, shrink ``[out, n_groups]``.
 """
 
@@ -26,12 +30,12 @@ from typing import Callable
 
 import torch
 
-from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, fake_quantize, quantize
+from compress.quantizers.result import Grid
 
 
 @dataclass(frozen=True)
 class AWQConfig:
-    scheme: QuantScheme
+    scheme: Grid
     n_grid: int = 20  # α candidates: 0, 1/n, ..., (n-1)/n
     duo_scaling: bool = False
     clip_grid: int = 20
@@ -47,7 +51,14 @@ class ScaleSearch:
     losses: list[float] = field(default_factory=list)
 
 
-def _column_salience(weights: list[torch.Tensor], scheme: QuantScheme) -> torch.Tensor:
+def round_trip(w: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor = 1.0) -> torch.Tensor:
+    """``w`` rounded to ``scheme`` (its per-tensor parameters fitted on ``w``), as float32."""
+    fitted = scheme.fit(w)
+    scale, zero = fitted.qparams(w, shrink)
+    return fitted.dequantize(fitted.quantize(w, scale, zero), scale, zero)
+
+
+def _column_salience(weights: list[torch.Tensor], scheme: Grid) -> torch.Tensor:
     """Mean over output rows of ``|w|`` normalized by its group's max: ``[in]``."""
     w = torch.cat([x.float() for x in weights]).abs()
     out_features, in_features = w.shape
@@ -75,7 +86,7 @@ def search_scales(
     ``Q`` is the shared grid of ``config.scheme`` unless ``quantizers`` gives a layer its own round trip
     (``w -> dequantize(quantize(w))``, e.g. a GGUF block type)."""
     w_mean = _column_salience(weights, config.scheme) if config.duo_scaling else None
-    default = lambda w: fake_quantize(w, config.scheme)  # noqa: E731
+    default = lambda w: round_trip(w.float(), config.scheme)  # noqa: E731
     quantizers = [q or default for q in (quantizers or [None] * len(weights))]
     best = None
     losses = []
@@ -93,8 +104,8 @@ def search_scales(
 
 def search_clip(weight: torch.Tensor, x: torch.Tensor, config: AWQConfig, rows_per_batch: int = 1024) -> torch.Tensor:
     """Per (row, group) range shrink minimizing the group's partial-output error on tokens ``x [n, in]``."""
-    scheme = config.scheme
     w = weight.float()
+    scheme = config.scheme.fit(w)  # per-tensor parameters (NVFP4's global scale) from the whole weight
     out_features, in_features = w.shape
     width = scheme.group_width(in_features)
     xg = x.float().reshape(-1, in_features // width, width)  # [n, G, width]
@@ -105,8 +116,8 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, config: AWQConfig, rows_p
         reference = torch.einsum("ngk,rgk->rgn", xg, rows.reshape(rows.shape[0], -1, width))
         best_err = None
         for shrink in steps:
-            scale, zero = compute_qparams(rows, scheme, shrink=shrink)
-            deq = dequantize(quantize(rows, scale, zero, scheme), scale, zero, scheme)
+            scale, zero = scheme.qparams(rows, shrink)
+            deq = scheme.dequantize(scheme.quantize(rows, scale, zero), scale, zero)
             out = torch.einsum("ngk,rgk->rgn", xg, deq.reshape(rows.shape[0], -1, width))
             err = (out - reference).square().mean(dim=-1)  # [rows, G]
             if best_err is None:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import time
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from compress.checkpoints.architecture import block_map, resolve_groups
 from compress.engine.methods.base import LayerOutcome, LayerReport, Method
-from compress.engine.methods.rtn import WeightQuantConfig, check_group_size
+from compress.engine.methods.rtn import GridQuantConfig, InputQuantization
 from compress.checkpoints.model_io import get_weight, set_weight
 from compress.quantizers.awq import AWQConfig, search_clip, search_scales
 from compress.quantizers.rtn import rtn
@@ -23,13 +23,19 @@ from compress.engine.registry import register_method
 from compress.engine.statistics import CallRecorder, Stat
 
 
-class AWQMethodConfig(WeightQuantConfig):
+class AWQMethodConfig(GridQuantConfig):
     n_grid: int = Field(20, ge=1, description="α grid points in [0, 1) for the scale search")
     duo_scaling: bool = Field(False, description="scales s_x^α / s_w^(1-α) (AutoAWQ) instead of the paper's s_x^α")
     clip: bool = Field(True, description="search each group's clipping range on sample tokens")
     clip_grid: int = Field(20, ge=1, description="shrink steps of the clipping search")
     max_shrink: float = Field(0.5, ge=0, lt=1, description="narrowest range tried: 1 - max_shrink of min-max")
     clip_tokens: int = Field(512, ge=1, description="tokens sampled for the clipping search")
+
+    @model_validator(mode="after")
+    def _clip_per_row(self):
+        if self.clip and self.block_rows != 1:
+            raise ValueError("clip chooses each row's range, which a scale shared by a block of rows cannot keep: set clip false")
+        return self
 
 
 def _output_error(calls, run) -> float:
@@ -42,6 +48,15 @@ def _output_error(calls, run) -> float:
     return total / max(count, 1)
 
 
+def _scaled_inputs(stats: dict, divisor: torch.Tensor | None) -> dict:
+    """A layer's input statistics after AWQ divided its input channels by ``divisor``: each channel's
+    maximum |x| divided alike (what a static activation scale must cover); the others as collected."""
+    if divisor is None or Stat.INPUT_ABSMAX not in stats:
+        return stats
+    absmax = stats[Stat.INPUT_ABSMAX]
+    return {**stats, Stat.INPUT_ABSMAX: absmax / divisor.to(absmax.device, absmax.dtype)}
+
+
 def _sample_tokens(calls, count: int) -> torch.Tensor:
     """``count`` evenly strided token vectors from the recorded inputs: ``[n, in]``."""
     x = torch.cat([args[0].reshape(-1, args[0].shape[-1]) for args, _, _ in calls])
@@ -49,21 +64,23 @@ def _sample_tokens(calls, count: int) -> torch.Tensor:
 
 
 @register_method("awq")
-class AWQ(Method):
-    """Scale salient input channels up before rounding, folding the inverse into the previous operator."""
+class AWQ(InputQuantization, Method):
+    """Scale salient input channels up before rounding, folding the inverse into the previous operator
+    (integer or float grids; with activation quantization, the static input scales are those of the scaled inputs)."""
 
     Config = AWQMethodConfig
 
     @property
     def needs(self) -> frozenset[Stat]:
-        return frozenset({Stat.INPUT_ABSMEAN})
+        return frozenset({Stat.INPUT_ABSMEAN}) | self.input_stats()
 
     def prepare(self, model) -> None:
+        self.prepare_grid()
         self.model_type = model.config.model_type
         self.unclipped = set(block_map(self.model_type).unclipped)  # raises for unmapped architectures
 
     def check_layer(self, name: str, out_features: int, in_features: int) -> None:
-        check_group_size(name, in_features, self.config.group_size)
+        self.check_grid(name, in_features)
 
     def _awq_config(self) -> AWQConfig:
         cfg = self.config
@@ -76,9 +93,10 @@ class AWQ(Method):
         selected = {relative[m]: full for full, m in layers.items()}  # relative name -> full name
         groups = [g for g in resolve_groups(block, self.model_type) if any(n in selected for n in g.group.layers)]
         info: dict[str, dict] = {name: {} for name in selected}
+        divisors: dict[str, torch.Tensor] = {}  # relative name -> the scales its inputs are now divided by
         with torch.inference_mode():
             if groups:
-                self._scale_groups(block, groups, stats, selected, replay, config, info)
+                self._scale_groups(block, groups, stats, selected, replay, config, info, divisors)
             samples = self._clip_samples(block, selected, replay) if self.config.clip else {}
             reports = []
             for rel, full in selected.items():
@@ -91,7 +109,8 @@ class AWQ(Method):
                 new_weight, quant = self.finish_layer(full, weight, shrink)
                 set_weight(module, new_weight)
                 if quant is not None:
-                    self.keep_outcome(full, LayerOutcome(new_weight, info[rel], quant=quant))
+                    outcome = LayerOutcome(new_weight, info[rel], quant=quant)
+                    self.keep_outcome(full, self.with_inputs(full, outcome, _scaled_inputs(stats.get(full, {}), divisors.get(rel))))
                 reports.append(LayerReport(full, tuple(weight.shape), 0.0, {**info[rel], **(quant.stats if quant else {})}))
         for report in reports:  # one search serves the whole block: share its time evenly
             report.seconds = (time.perf_counter() - start) / len(reports)
@@ -106,7 +125,7 @@ class AWQ(Method):
         result = rtn(weight, self._awq_config().scheme, shrink)
         return result.weight, result
 
-    def _scale_groups(self, block, groups, stats, selected, replay, config, info) -> None:
+    def _scale_groups(self, block, groups, stats, selected, replay, config, info, divisors) -> None:
         inspected = {
             resolved.group.label: block.get_submodule(resolved.group.inspect) if resolved.group.inspect else resolved.layers[0]
             for resolved in groups
@@ -144,6 +163,7 @@ class AWQ(Method):
             for name in group.layers:
                 if name in selected:
                     info[name].update(alpha=search.alpha, scale_gain=round(gain, 3))
+                    divisors[name] = search.scales
 
     def _clip_samples(self, block, selected, replay) -> dict[str, torch.Tensor]:
         modules = {rel: block.get_submodule(rel) for rel in selected if rel not in self.unclipped}

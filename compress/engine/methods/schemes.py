@@ -38,5 +38,5 @@ def expand_scheme(scheme: SchemeName, method: str, settings: dict[str, Any], acc
     """The settings of ``method`` (whose config takes the keys ``accepted``) for ``scheme``, ``settings`` on top."""
     missing = sorted(set(SCHEMES[scheme]) - accepted)
     if missing:
-        raise CompressError(f"scheme {scheme.value} needs method rtn or gptq: {method} has no {missing[0]} setting")
+        raise CompressError(f"scheme {scheme.value} needs method rtn, gptq or awq: {method} has no {missing[0]} setting")
     return {**SCHEMES[scheme], **settings}

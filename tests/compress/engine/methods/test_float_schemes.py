@@ -46,7 +46,7 @@ STAGES = {
 }
 
 
-@pytest.mark.parametrize("method,name", [("rtn", name) for name in STAGES] + [("gptq", "nvfp4")])
+@pytest.mark.parametrize("method,name", [("rtn", name) for name in STAGES] + [("gptq", "nvfp4"), ("awq", "nvfp4"), ("awq", "fp8-static")])
 def test_packed_float_output_equals_the_fake_quantized_model(method, name, tmp_path, tiny_llama):
     stage = STAGES[name]
     packed = run(tiny_llama, tmp_path / "ct", {"method": method, **stage})
@@ -81,7 +81,8 @@ def invoke(*args):
     (["--scheme", "nvfp4", "--group-size", "32"], "group size must be 16"),
     (["--scheme", "mxfp4a16", "--group-size", "16"], "group size must be 32"),
     (["-O", "grid=nvfp4", "-O", "group_size=64"], "group size must be 16"),
-    (["--scheme", "nvfp4", "--method", "awq"], "needs method rtn or gptq"),
+    (["--scheme", "nvfp4", "--method", "smoothquant"], "needs method rtn, gptq or awq"),
+    (["--scheme", "fp8-block", "--method", "awq", "-O", "group_size=32", "-O", "block_rows=32"], "set clip false"),
     (["--scheme", "fp8-dynamic", "--bits", "4"], "8 bits"),
     (["-O", "activations=fp8-token"], "set grid fp8"),
     (["--scheme", "fp8-block"], "does not divide in_features 64"),  # tiny model: 128-wide blocks do not fit
@@ -100,3 +101,27 @@ def test_fp8_without_float8_dtypes_is_a_one_line_error(tmp_path, tiny_llama, mon
     result = invoke("quantize", tiny_llama, "-o", tmp_path / "o", "--scheme", "fp8-dynamic")
     assert result.exit_code == 2 and "float8_e4m3fn" in result.output and len(result.output.strip().splitlines()) == 1
     assert not (tmp_path / "o").exists()
+
+
+def test_awq_static_input_scales_cover_the_scaled_inputs(tmp_path, tiny_llama):
+    """AWQ divides a layer's input channels by its scales (folded into the norm before it): NVFP4's static global
+    input scale (448 · 6 / max |x|) must cover the inputs the output model really sees. Measured by hooks on the output model run on the
+    same calibration windows: q_proj of block 0, whose input depends on no quantized layer."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from compress.checkpoints.calibration import load_calibration
+
+    stage = {"method": "awq", **STAGES["nvfp4"]}
+    fake = run(tiny_llama, tmp_path / "fake", stage, fmt="fake")
+    stored = load_file(str(run(tiny_llama, tmp_path / "ct", stage) / "model.safetensors"))
+    windows = load_calibration(CALIB_TEXT, AutoTokenizer.from_pretrained(tiny_llama), CALIBRATION["samples"], CALIBRATION["seq_len"])
+    name, seen = "model.layers.0.self_attn.q_proj", []
+    for path in (fake, tiny_llama):
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+        model.get_submodule(name).register_forward_pre_hook(lambda _m, args: seen.append(args[0].abs().max().item()))
+        with torch.no_grad():
+            model(input_ids=windows, use_cache=False)
+    scaled, original = seen
+    assert abs(scaled / original - 1) > 1e-3  # AWQ did rescale this layer's inputs (0.6 % here)
+    assert stored[name + ".input_global_scale"].item() == pytest.approx(448.0 * 6.0 / scaled, rel=1e-5)
