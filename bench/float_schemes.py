@@ -3,7 +3,7 @@ the recipe runner: perplexity, mean KLD against the original, bits per weight of
 stored, and the size of the weight files.
 
     python bench/float_schemes.py [--schemes fp8-dynamic,fp8-block,nvfp4,nvfp4a16,mxfp4,mxfp4a16,w4a16,w4g16,w8a8-int8]
-                                  [--methods rtn,gptq] [--model DIR] [--text FILE] [--max-tokens 8192]
+                                  [--methods rtn,gptq,awq] [--model DIR] [--text FILE] [--max-tokens 8192]
                                   [--calib FILE --samples 64 --seq-len 256] [--keep DIR]
 
 ``w4g16`` is int4 with one scale per 16 weights (symmetric), NVFP4's group size on the integer grid.

@@ -1,0 +1,231 @@
+"""A method end to end on a model, its wall time split into phases, beside llm-compressor's ``oneshot``.
+
+    python bench/pipeline.py [--model DIR] [--blocks 8] [--method gptq|rtn|awq|w8a8] [--bits 4 --group-size 64]
+                             [--calib FILE --samples 32 --seq-len 512] [--text FILE --max-tokens 4096]
+                             [--threads 2] [--device cpu|cuda] [--anchor llm-compressor]
+
+Phases (exclusive time: a phase's time excludes the phases it calls): ``load`` (opening the checkpoint, the
+tokenizer and the calibration windows), ``capture`` (block 0's inputs), ``order`` (one batch through each
+block to learn the order its layers run in), ``statistics`` (the passes that collect each group's input
+statistics; their count per block is printed: true-sequential runs one per group of layers fed by the same
+input, each stopping once its group has run), ``solve`` (the method's own work on the statistics),
+``replay`` (block runs a method asks for, e.g. AWQ's scale search), ``propagation`` (the compressed block's
+outputs, the next block's inputs), ``write`` (packing and writing each block), ``evaluation`` (not part of the
+compression: the KLD of the output vs the model, the same protocol for both tools). Peak RSS; on CUDA, peak
+device memory.
+
+``--anchor llm-compressor`` runs the same model, scheme, calibration windows (the very token ids, saved for
+it) and method through llm-compressor 0.14's ``oneshot`` in its own virtual environment (built on first use
+under ``~/.cache/llm-compress``: it pins transformers <= 5.17 and compressed-tensors 0.19), then scores both
+outputs with our evaluator; it prints each tool's wall time, their ratio and each KLD. ``--blocks N``
+compresses a copy of the model truncated to its first N blocks (what the figures in issue 17 used: SmolLM2, 8).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+ANCHOR_VENV = Path.home() / ".cache" / "llm-compress" / "llmcompressor-0.14"
+METHODS = {  # ours: recipe stage; llm-compressor: modifier and scheme (see bench/anchors/llmcompressor_oneshot.py)
+    "gptq": lambda a: {"method": "gptq", "bits": a.bits, "group_size": a.group_size, "act_order": a.act_order},
+    "rtn": lambda a: {"method": "rtn", "bits": a.bits, "group_size": a.group_size},
+    "awq": lambda a: {"method": "awq", "bits": a.bits, "group_size": a.group_size, "symmetric": False},
+    "w8a8": lambda a: [{"method": "smoothquant"}, {"method": "gptq", "scheme": "w8a8-int8"}],
+}
+
+
+class PhaseClock:
+    """Exclusive wall time per phase: entering a phase pauses the one that called it."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: Counter = Counter()
+        self._stack: list[str] = []
+        self._mark = time.perf_counter()
+
+    def _switch(self) -> None:
+        now = time.perf_counter()
+        if self._stack:
+            self.seconds[self._stack[-1]] += now - self._mark
+        self._mark = now
+
+    def wrap(self, owner, attribute: str, phase: str) -> None:
+        inner = getattr(owner, attribute)
+
+        def timed(*args, **kwargs):
+            self._switch()
+            self._stack.append(phase)
+            self.calls[phase] += 1
+            try:
+                return inner(*args, **kwargs)
+            finally:
+                self._switch()
+                self._stack.pop()
+
+        setattr(owner, attribute, timed)
+
+
+def instrument(clock: PhaseClock) -> None:
+    """Time the engine's phases by wrapping its methods (this process only; the library is unchanged)."""
+    from compress.engine import block_engine
+    from compress.engine.methods.base import Method
+    from compress.run import compression
+
+    Engine = block_engine.Engine
+    clock.wrap(compression, "open_model", "load")
+    clock.wrap(compression, "load_calibration", "load")
+    clock.wrap(Engine, "capture_inputs", "capture")
+    clock.wrap(Engine, "_forward_groups", "order")
+    clock.wrap(Engine, "_run_until_called", "statistics")
+    clock.wrap(Engine, "_write_block", "write")
+    clock.wrap(Engine, "_write_outer", "write")
+    clock.wrap(Method, "transform_block", "solve")
+    for method_class in _method_classes(Method):
+        if "transform_block" in vars(method_class):
+            clock.wrap(method_class, "transform_block", "solve")
+    run_block = Engine._run_block  # propagation when the engine calls it, replay inside a method, order inside order
+
+    def routed(self, block, inputs):
+        phase = {"solve": "replay", "order": "order"}.get(clock._stack[-1] if clock._stack else "", "propagation")
+        clock._switch()
+        clock._stack.append(phase)
+        clock.calls[phase] += 1
+        try:
+            return run_block(self, block, inputs)
+        finally:
+            clock._switch()
+            clock._stack.pop()
+
+    Engine._run_block = routed
+    clock.wrap(compression, "evaluate_checkpoint", "evaluation")
+
+
+def _method_classes(base) -> list[type]:
+    import compress.engine.methods  # noqa: F401 - registers every method
+
+    out, todo = [], [base]
+    while todo:
+        for sub in todo.pop().__subclasses__():
+            out.append(sub)
+            todo.append(sub)
+    return out
+
+
+def peak_rss_gb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6  # Linux: KiB
+
+
+def truncated(model: Path, blocks: int | None, scratch: Path) -> Path:
+    if not blocks:
+        return model
+    sys.path.append(str(REPO / "tests"))
+    from conftest import truncate_checkpoint
+
+    return truncate_checkpoint(model, scratch / f"{model.name}-{blocks}-blocks", blocks)
+
+
+def ours(args, model: Path, out: Path, clock: PhaseClock) -> float:
+    from compress.run.recipe import parse_recipe
+    from compress.run.runner import run_recipe
+
+    stages = METHODS[args.method](args)
+    recipe = {
+        "model": model, "stages": stages if isinstance(stages, list) else [stages], "device": args.device,
+        "calibration": {"path": args.calib, "samples": args.samples, "seq_len": args.seq_len},
+        "output": {"path": out, "format": "compressed-tensors"},
+    }
+    start = time.perf_counter()
+    run_recipe(parse_recipe(recipe))
+    return time.perf_counter() - start
+
+
+def anchor(args, model: Path, out: Path, scratch: Path) -> float:
+    """llm-compressor's wall time on the same windows (its venv is built on first use)."""
+    from compress.checkpoints.calibration import load_calibration
+    from compress.checkpoints.loading import load_tokenizer
+
+    python = ANCHOR_VENV / "bin" / "python"
+    if not python.exists():
+        print(f"building llm-compressor 0.14's environment in {ANCHOR_VENV} (first use)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(ANCHOR_VENV)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "llmcompressor==0.14.0"], check=True)
+    windows = load_calibration(args.calib, load_tokenizer(model), args.samples, args.seq_len)
+    tokens = scratch / "windows.json"
+    tokens.write_text(json.dumps(windows.tolist()))
+    command = [str(python), str(REPO / "bench/anchors/llmcompressor_oneshot.py"), str(model), str(out), str(tokens),
+               args.method, str(args.bits), str(args.group_size), str(int(args.act_order)), args.device]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    log = scratch / "llm-compressor.log"
+    start = time.perf_counter()
+    with log.open("w") as sink:
+        done = subprocess.run(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+    seconds = time.perf_counter() - start
+    if done.returncode:
+        raise SystemExit(f"llm-compressor failed (exit {done.returncode}):\n" + "\n".join(log.read_text().splitlines()[-20:]))
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=REPO / "eval/assets/reference-llama")
+    ap.add_argument("--blocks", type=int, help="compress a copy truncated to the first N blocks")
+    ap.add_argument("--method", choices=sorted(METHODS), default="gptq")
+    ap.add_argument("--bits", type=int, default=4)
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True)
+    ap.add_argument("--calib", type=Path, default=REPO / "eval/assets/shakespeare-calib-slice.txt")
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--text", type=Path, default=REPO / "eval/assets/shakespeare-test-slice.txt")
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--anchor", choices=["llm-compressor"])
+    args = ap.parse_args()
+
+    import torch
+
+    torch.set_num_threads(args.threads)
+    from compress.eval.checkpoint import evaluate_checkpoint
+
+    clock = PhaseClock()
+    instrument(clock)
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        model = truncated(args.model, args.blocks, scratch)
+        seconds = ours(args, model, scratch / "ours", clock)
+        phases = dict(clock.seconds)
+        counts = dict(clock.calls)
+        rss = peak_rss_gb()
+        print(f"model {model.name}, {args.method} w{args.bits} g{args.group_size}"
+              f"{' act-order' if args.act_order and args.method == 'gptq' else ''}, calibration {args.samples} x "
+              f"{args.seq_len}, {args.threads} threads, {args.device}")
+        print("\n| phase | seconds | share | calls |\n|---|---:|---:|---:|")
+        for phase in ("load", "capture", "order", "statistics", "solve", "replay", "propagation", "write"):
+            if phase in phases:
+                print(f"| {phase} | {phases[phase]:.2f} | {100 * phases[phase] / seconds:.0f}% | {counts.get(phase, 0)} |")
+        rest = seconds - sum(phases.values())
+        print(f"| other | {rest:.2f} | {100 * rest / seconds:.0f}% | |\n| **total** | **{seconds:.2f}** | | |")
+        print(f"\npeak RSS {rss:.2f} GB" + (f", peak device memory {torch.cuda.max_memory_allocated() / 1e9:.2f} GB"
+                                           if args.device == "cuda" else ""))
+        rows = [("ours", seconds, scratch / "ours")]
+        if args.anchor:
+            rows.append(("llm-compressor 0.14", anchor(args, model, scratch / "anchor", scratch), scratch / "anchor"))
+        print(f"\n| tool | wall s | x ours | KLD | ppl |\n|---|---:|---:|---:|---:|")
+        for name, wall, path in rows:
+            result = evaluate_checkpoint(path, args.text, reference_path=model, max_tokens=args.max_tokens, device=args.device)
+            print(f"| {name} | {wall:.1f} | {wall / seconds:.2f} | {result.kld:.5f} | {result.perplexity:.3f} |")
+
+
+if __name__ == "__main__":
+    main()
