@@ -39,7 +39,7 @@ import torch
 from compress.pruners.masks import NM, Pattern, prune_lowest_nm, prune_lowest_per_row
 from compress.pruners.result import PruneResult
 from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, quantize
-from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, proxy_loss, solver_inputs
 from compress.quantizers.result import QuantResult
 from compress.quantizers.threads import one_thread
 
@@ -83,7 +83,8 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
         codes = torch.zeros(out_features, in_features, dtype=torch.int32, device=W.device)
         column = QuantScheme(scheme.bits, scheme.symmetric, -1)
 
-    U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
+    with one_thread(H.device):  # the same factor whatever the thread count: see quantizers/threads.py
+        U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H  # damped in place and no longer needed
 
     Q = torch.zeros_like(W)
@@ -128,8 +129,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
     # Proxy loss with the caller's Hessian (undamped): (2/n)‖(W − Ŵ)X‖² for H = 2/n X Xᵀ.
     W0, H0 = weight.detach().float(), hessian.detach().float()
     delta = W0 - Q
-    error = float(((delta @ H0) * delta).sum())
-    base = float(((W0 @ H0) * W0).sum())
+    error, base = proxy_loss(delta, H0), proxy_loss(W0, H0)
     stats = {
         "sparsity": float((Q == 0).float().mean()),
         "damp": damp,

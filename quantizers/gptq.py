@@ -133,7 +133,8 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         zero = W.new_empty(out_features, n_groups)
         group_of = [j // width for j in range(in_features)]
 
-    U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
+    with one_thread(H.device):  # the same factor whatever the thread count: see quantizers/threads.py
+        U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H  # damped in place and no longer needed: free it before the column loop
 
     Q = torch.zeros_like(W)
@@ -175,8 +176,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
     # Proxy loss with the caller's Hessian (undamped): (2/n)‖(W − Q)X‖² for H = 2/n X Xᵀ.
     W0, H0 = weight.detach().float(), hessian.detach().float()
     delta = W0 - Q
-    error = float(((delta @ H0) * delta).sum())
-    base = float(((W0 @ H0) * W0).sum())
+    error, base = proxy_loss(delta, H0), proxy_loss(W0, H0)
     stats = {
         "damp": damp,
         "lambda": lam,
@@ -186,6 +186,12 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         "rel_error": error / base if base > 0 else 0.0,
     }
     return QuantResult(Q, codes, scale, zero, scheme, g_idx=g_idx, stats=stats)
+
+
+def proxy_loss(delta: torch.Tensor, H: torch.Tensor) -> float:
+    """``tr(Δ H Δᵀ)`` for ``Δ [out, in]``: summed per row, then over rows in float64, so that the figure does
+    not depend on the thread count (a whole-tensor sum is split across threads and rounds differently)."""
+    return float(((delta @ H) * delta).sum(dim=1).double().sum())
 
 
 def inverse_hessian_factor(

@@ -1,10 +1,15 @@
-"""`one_thread()`: run a loop of small tensor operations without intra-op threads.
+"""`one_thread()`: run a loop of small tensor operations, or a factorization, without intra-op threads.
 
 GPTQ's and SparseGPT's column loops apply ~10 operations of a few thousand elements per column. torch splits
 each over its thread pool, and the fork/join per operation costs more than the arithmetic: measured on this
 project's 2-core machine, GPTQ of a 576-column layer took 65 ms on one thread and 2.6 s on two with another
 process busy (40x; bench/gptq_speed.py). The blocked updates between the loops are real matrix products and
-keep every thread. ``torch.set_num_threads`` is process-wide, so the previous count is restored on exit;
+keep every thread.
+
+The Hessian's Cholesky factorization runs on one thread too: MKL's float32 factor rounds differently with 1
+and 2 threads, and GPTQ's codes then differ between machines of different core counts (8 of 12 random
+layers did); on one thread every count gives the same codes (the matrix products here split rows and
+columns, not the sum, so they agree). It costs ~1.6x the factorization's time (1536 columns: 69 -> 113 ms). ``torch.set_num_threads`` is process-wide, so the previous count is restored on exit;
 the solvers are not run concurrently from several threads of one process.
 """
 
