@@ -83,8 +83,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
         codes = torch.zeros(out_features, in_features, dtype=torch.int32, device=W.device)
         column = QuantScheme(scheme.bits, scheme.symmetric, -1)
 
-    with one_thread(H.device):  # the same factor whatever the thread count: see quantizers/threads.py
-        U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
+    U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H  # damped in place and no longer needed
 
     Q = torch.zeros_like(W)

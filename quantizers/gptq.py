@@ -133,8 +133,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         zero = W.new_empty(out_features, n_groups)
         group_of = [j // width for j in range(in_features)]
 
-    with one_thread(H.device):  # the same factor whatever the thread count: see quantizers/threads.py
-        U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
+    U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H  # damped in place and no longer needed: free it before the column loop
 
     Q = torch.zeros_like(W)
@@ -202,8 +201,14 @@ def inverse_hessian_factor(
     As the reference: ``cholesky`` → ``cholesky_inverse`` → ``cholesky(upper=True)``. When a
     factorization fails or is not finite, ``damp`` is multiplied by 10, up to ``max_retries`` times.
     Returns ``(U, damp, λ, retries)``. ``H`` must be the caller's own copy: it is damped in place
-    (for a large layer every extra [in, in] copy is hundreds of MB).
+    (for a large layer every extra [in, in] copy is hundreds of MB). Factored on one thread: the same factor
+    whatever the process's thread count (see quantizers/threads.py).
     """
+    with one_thread(H.device):
+        return _factor(H, damp, max_retries)
+
+
+def _factor(H: torch.Tensor, damp: float, max_retries: int) -> tuple[torch.Tensor, float, float, int]:
     diagonal = torch.diagonal(H).clone()
     mean_diag = float(diagonal.mean())
     for retry in range(max_retries + 1):

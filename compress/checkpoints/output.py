@@ -9,6 +9,9 @@ A failed or interrupted run leaves no half-written output, an existing output is
   and the like), with the command that removes them.
 - A full disk (``ENOSPC``, quota, a file too large, a read-only filesystem) is a one-line error; the
   temporary directory is removed.
+- A killed run's temporary directory holding a progress record (``.progress/``) is continued by a run
+  with ``resume`` (``--resume``): checked, then renamed to that run's own; without it, it is reported with
+  both commands (resume or remove) and never reused.
 - The finished directory carries ``manifest.json``, the SHA-256 of every file and tensor
   (`compress.checkpoints.integrity`), which ``compress verify`` checks.
 """
@@ -22,7 +25,7 @@ import os
 import shlex
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from compress.checkpoints.integrity import MANIFEST, input_digests, write_manifest
 from compress.errors import CompressError
@@ -39,6 +42,20 @@ LAYER_REPORT = "compression_report.json"
 NOT_COPIED = {"config.json", "README.md", "model.safetensors.index.json", "pytorch_model.bin.index.json", LAYER_REPORT, MANIFEST}
 DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS}
 TEMPORARY_MARKERS = ("partial", "old", "tmp", "awq")  # .<name>.<marker>-<pid>[-...]: what writers leave when killed
+PROGRESS = ".progress"  # in a temporary output directory: what a resumed run continues from (`compress.engine.journal`)
+PROGRESS_RECORD = "progress.json"
+
+
+def resumable(path: Path) -> bool:
+    """``path`` is the temporary directory of a killed run that recorded its progress (``--resume`` continues it)."""
+    return (path / PROGRESS / PROGRESS_RECORD).is_file()
+
+
+def report_stale(paths: list[Path]) -> None:
+    """Log each temporary file of a killed run with the command that removes it (and, if it can be, resumed)."""
+    for path in paths:
+        resume = "continue it with the same command and --resume, or " if resumable(path) else ""
+        log.warning("%s was left by an interrupted run and is not used; %sremove it with: rm -rf %s", path, resume, shlex.quote(str(path)))
 
 
 def disk_error(final: Path, exc: BaseException) -> CompressError | None:
@@ -63,8 +80,9 @@ class OutputLock:
         self.path = final.parent / f".{final.name}.lock"
         self._fd: int | None = None
 
-    def acquire(self) -> list[Path]:
-        """Take the lock or raise; returns the temporary files that killed runs left beside ``final``."""
+    def acquire(self, report: bool = True) -> list[Path]:
+        """Take the lock or raise; returns the temporary files that killed runs left beside ``final`` (logged
+        unless not ``report``)."""
         if fcntl is None:
             return []
         while True:
@@ -88,16 +106,16 @@ class OutputLock:
         os.ftruncate(fd, 0)
         os.write(fd, f"{os.getpid()}\n".encode())
         self._fd = fd
-        return self.stale_files()
+        return self.stale_files(report)
 
-    def stale_files(self) -> list[Path]:
+    def stale_files(self, report: bool = True) -> list[Path]:
         """Temporary files and folders of earlier writers of ``final``: stale, since this run holds the lock."""
         found = []
         for marker in TEMPORARY_MARKERS:
             prefix = f".{self.final.name}.{marker}-"
             found += [p for p in self.final.parent.glob(prefix + "*") if p.name[len(prefix):].split("-")[0] != str(os.getpid())]
-        for path in sorted(found):
-            log.warning("%s was left by an interrupted run and is not used; remove it with: rm -rf %s", path, shlex.quote(str(path)))
+        if report:
+            report_stale(sorted(found))
         return sorted(found)
 
     def release(self) -> None:
@@ -128,11 +146,17 @@ def check_outside_input(output: Path, model: Path) -> None:
 
 class OutputDir:
     """``with OutputDir(path, overwrite) as tmp:`` write into ``tmp``; renamed to ``path`` on success, with
-    its manifest. The output path is locked while inside the block (`OutputLock`)."""
+    its manifest. The output path is locked while inside the block (`OutputLock`).
 
-    def __init__(self, final: Path, overwrite: bool = False, protect: Path | None = None):
+    ``resume``: a callable checking a killed run's temporary directory (raising `CompressError` if it may not
+    be continued); the one whose progress record (`resumable`) is the latest is checked, then renamed to this
+    run's ``tmp`` and kept, and ``resumed`` is True. None there is an error; a refused one is left as it was."""
+
+    def __init__(self, final: Path, overwrite: bool = False, protect: Path | None = None, resume: Callable[[Path], Any] | None = None):
         self.final = final
         self.overwrite = overwrite
+        self.resume = resume
+        self.resumed = False
         if protect is not None:
             check_outside_input(final, protect)
         self._check_final()
@@ -148,16 +172,36 @@ class OutputDir:
 
     def __enter__(self) -> Path:
         self.final.parent.mkdir(parents=True, exist_ok=True)
-        self.stale = self.lock.acquire()
+        self.stale = self.lock.acquire(report=self.resume is None)
         try:
             self._check_final()  # again, under the lock: another run may have finished meanwhile
             shutil.rmtree(self.tmp, ignore_errors=True)
-            self.tmp.mkdir()
+            if self.resume is not None:
+                self._adopt()
+            else:
+                self.tmp.mkdir()
         except BaseException:  # a signal too: __exit__ is not called when __enter__ fails
             shutil.rmtree(self.tmp, ignore_errors=True)
             self.lock.release()
             raise
         return self.tmp
+
+    def _adopt(self) -> None:
+        """Continue the killed run that recorded the most progress: check it, then take its directory."""
+        candidates = [p for p in self.stale if p.name.startswith(f".{self.final.name}.partial-") and resumable(p)]
+        if not candidates:
+            report_stale(self.stale)
+            raise CompressError(
+                f"--resume: no interrupted run of {self.final} to continue (no .{self.final.name}.partial-* with a progress record "
+                "beside it): run without --resume"
+            )
+        chosen = max(candidates, key=lambda p: (p / PROGRESS / PROGRESS_RECORD).stat().st_mtime)
+        report_stale([p for p in self.stale if p != chosen])
+        self.resume(chosen)
+        os.replace(chosen, self.tmp)
+        self.stale.remove(chosen)
+        self.resumed = True
+        log.info("resuming the interrupted run in %s", chosen)
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:

@@ -269,6 +269,47 @@ class ShardedWriter:
         if self._data.tell() >= self.max_shard_bytes:
             self.flush()
 
+    def state(self) -> dict:
+        """What a resumed run needs to continue exactly here (JSON): the finished shards, the entries of the
+        current one and the bytes of its data file, which are pushed to the kernel first (a killed process
+        loses nothing the kernel holds)."""
+        if self._data is not None:
+            self._data.flush()
+            os.fsync(self._data.fileno())
+        return {
+            "shards": [[path.name, names] for path, names in self._shards],
+            "entries": [[name, _DTYPE_NAMES[dtype], shape, size] for name, dtype, shape, size in self._entries],
+            "data_bytes": self._data.tell() if self._data is not None else 0,
+            "total_bytes": self.total_bytes,
+        }
+
+    def restore(self, state: dict) -> None:
+        """Continue where `state` was taken, in the folder of a killed run: later shards are dropped, the
+        current shard's data file is cut back to its recorded length (rebuilt from its finished shard file if
+        the run was killed while finishing it)."""
+        self._shards = [(self.directory / name, list(names)) for name, names in state["shards"]]
+        self._entries = [(name, SAFETENSORS_DTYPES[dtype], list(shape), size) for name, dtype, shape, size in state["entries"]]
+        self.total_bytes = state["total_bytes"]
+        missing = [path.name for path, _ in self._shards if not path.is_file()]
+        if missing:
+            raise CompressError(f"{self.directory} lacks {missing[0]}, which its progress record lists: it cannot be resumed; remove it")
+        data, finished = self._data_path(), self.directory / f"shard-{len(self._shards):05d}.tmp"
+        if self._entries and not data.is_file() and finished.is_file():  # killed between writing the shard and removing its data
+            start, _ = _read_safetensors_header(finished)
+            with finished.open("rb") as src, data.open("wb") as out:
+                src.seek(start)
+                shutil.copyfileobj(src, out, 16 << 20)
+        for path in self.directory.glob("shard-*"):
+            index = int(path.name[6:11]) if path.name[6:11].isdigit() else -1
+            if index > len(self._shards) or (index == len(self._shards) and path != data) or (path == data and not self._entries):
+                path.unlink()
+        if self._entries:
+            if not data.is_file() or data.stat().st_size < state["data_bytes"]:
+                raise CompressError(f"{data} is shorter than its progress record says: {self.directory} cannot be resumed; remove it")
+            self._data = data.open("r+b")
+            self._data.truncate(state["data_bytes"])
+            self._data.seek(state["data_bytes"])
+
     def flush(self) -> None:
         """Finish the current shard: header, then its data copied in chunks."""
         if self._data is None:

@@ -28,6 +28,7 @@ from compress.cli.options import (
     MODEL_ARG,
     OUTPUT_OPT,
     OVERWRITE_OPT,
+    RESUME_OPT,
     SAMPLES_OPT,
     SEQ_LEN_OPT,
     TRUST_REMOTE_CODE_OPT,
@@ -111,6 +112,7 @@ def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
         },
         "device": args["device"],
         "trust_remote_code": args["trust_remote_code"],
+        "resume": args.get("resume", False),
     }
     if args["calib"] is not None:
         data["calibration"] = {"path": args["calib"], "samples": args["samples"], "seq_len": args["seq_len"]}
@@ -155,6 +157,7 @@ def quantize(
     eval_text: Optional[Path] = EVAL_TEXT_OPT,
     device: str = DEVICE_OPT,
     overwrite: bool = OVERWRITE_OPT,
+    resume: bool = RESUME_OPT,
     trust_remote_code: bool = TRUST_REMOTE_CODE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
@@ -195,6 +198,7 @@ def prune(
     eval_text: Optional[Path] = EVAL_TEXT_OPT,
     device: str = DEVICE_OPT,
     overwrite: bool = OVERWRITE_OPT,
+    resume: bool = RESUME_OPT,
     trust_remote_code: bool = TRUST_REMOTE_CODE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
@@ -233,11 +237,12 @@ def structured_stage(spec: Optional[str], target_params: Optional[str], method, 
 
 
 @user_errors
-def run(recipe: Path = typer.Argument(..., help="YAML recipe."), as_json: bool = JSON_OPT) -> None:
+def run(recipe: Path = typer.Argument(..., help="YAML recipe."), resume: bool = RESUME_OPT, as_json: bool = JSON_OPT) -> None:
     """Run the work described in a YAML recipe."""
     from compress.run.recipe import load_recipe
 
-    _execute(load_recipe(recipe), as_json)
+    loaded = load_recipe(recipe)
+    _execute(loaded.model_copy(update={"resume": True}) if resume else loaded, as_json)
 
 
 def register(app: typer.Typer) -> None:

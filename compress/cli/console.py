@@ -22,8 +22,9 @@ stdout = Console()
 
 
 def command_line() -> str:
-    """The command as the user typed it, for run records and model cards."""
-    return shlex.join(["compress", *sys.argv[1:]])
+    """The command as the user typed it, for run records and model cards; without ``--resume``, so that a
+    resumed run records the command of the run it continued (and writes the same bytes)."""
+    return shlex.join(["compress", *(arg for arg in sys.argv[1:] if arg != "--resume")])
 
 PHASE_LABELS = {"calibration": "capturing calibration inputs", "blocks": "compressing blocks", "evaluation": "evaluating"}
 

@@ -13,6 +13,9 @@ SEQ_LEN_OPT = typer.Option(512, "--seq-len", help="Tokens per calibration sample
 EXCLUDE_OPT = typer.Option([], "--exclude", help="Regex of layer names to leave alone.")
 EVAL_TEXT_OPT = typer.Option(None, "--eval-text", help="Afterwards, measure ppl and KLD vs the input on this text.")
 OVERWRITE_OPT = typer.Option(False, "--overwrite", help="Replace an existing output directory.")
+RESUME_OPT = typer.Option(
+    False, "--resume", help="Continue a killed run of this output from its first unfinished block (same command, same inputs).",
+)
 TRUST_REMOTE_CODE_OPT = typer.Option(False, "--trust-remote-code", help="Allow the checkpoint's own model code.")
 FORMAT_OPT = typer.Option(
     "compressed-tensors", "--format",

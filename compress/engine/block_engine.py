@@ -29,6 +29,7 @@ from compress.checkpoints.experts import routing_modules
 from compress.checkpoints.shards import ShardedWriter
 from compress.errors import CompressError
 from compress.formats.base import PackedLayer, PackFormat, has_trivial_g_idx
+from compress.engine.journal import BlockJournal
 from compress.engine.methods.base import LayerOutcome, LayerReport, Method
 from compress.checkpoints.model_io import ModelHandle, get_weight, is_conv1d
 from compress.engine.statistics import StatsCollector
@@ -329,15 +330,20 @@ class Engine:
         uncalled = {n: m for n, m in layers.items() if n not in seen}
         return groups + ([uncalled] if uncalled else [])
 
-    def run(self, writer: ShardedWriter, calibration: torch.Tensor | None = None) -> EngineResult:
+    def run(self, writer: ShardedWriter, calibration: torch.Tensor | None = None, journal: BlockJournal | None = None) -> EngineResult:
+        """``journal``: records the progress after each written block, and continues a killed run it recorded."""
         self.check(calibration)
         start = time.perf_counter()
         if self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
         result = EngineResult()
-        inputs = self.capture_inputs(calibration) if self.needs_data else []
+        resumed = journal.restore(self, writer) if journal is not None else None
+        if resumed is not None:
+            first, inputs, result.layers = resumed
+        else:
+            first, inputs = 0, self.capture_inputs(calibration) if self.needs_data else []
         blocks = self.handle.blocks
-        for i in range(len(blocks)):
+        for i in range(first, len(blocks)):
             block, name = blocks[i], self._block_names[i]
             original = self.handle.materialize(block, name, self.device, self.dtype)
             result.layers += self._compress_block(i, inputs)
@@ -347,6 +353,8 @@ class Engine:
                 inputs = [(out, args, kwargs) for out, (_, args, kwargs) in zip(outputs, inputs)]
             self._write_block(writer, name, block, original)
             self.handle.release(block)
+            if journal is not None:
+                journal.block_done(i, self, writer, inputs, result.layers)
             self.progress("blocks", i + 1, len(blocks))
         result.layers += self._write_outer(writer)
         if self.keep_final_hidden and self.needs_data:

@@ -52,6 +52,7 @@ class KVCacheCalibration:
     """Running per-head absolute maxima of every tapped attention module's keys and values."""
 
     name = "KV-cache calibration"
+    learned_state = ("amax",)  # kept over the blocks; a resumed run restores it (engine/journal.py)
 
     def __init__(self, spec: KVCacheSpec):
         self.spec = spec

@@ -14,6 +14,7 @@ from compress.checkpoints.conversion import RenamingWriter
 from compress.checkpoints.experts import expert_layers
 from compress.checkpoints.shards import ShardedWriter
 from compress.engine.block_engine import Engine, EngineResult, LayerFn, ProgressFn, Stage
+from compress.engine.journal import BlockJournal, check_resumable, fingerprint
 from compress.eval.perplexity import EvalResult
 from compress.errors import CompressError
 from compress.checkpoints.loading import load_tokenizer, resolve_device
@@ -81,8 +82,14 @@ def resolve_auto_group_sizes(recipe: Recipe, handle) -> tuple[Recipe, list[str]]
     return recipe.model_copy(update={"stages": stages}), notes
 
 
-def _record(recipe: Recipe, command: str | None, methods: list) -> dict[str, Any]:
-    """``methods``: the instances that ran (their records may hold what they learned, e.g. input scales)."""
+def _inputs(recipe: Recipe) -> dict[str, dict]:
+    cal = recipe.calibration
+    return run_inputs(recipe.source_model, calibration=cal and cal.path, evaluation=recipe.evaluation and recipe.evaluation.text)
+
+
+def _record(recipe: Recipe, command: str | None, methods: list, inputs: dict[str, dict] | None = None) -> dict[str, Any]:
+    """``methods``: the instances that ran (their records may hold what they learned, e.g. input scales);
+    ``inputs``: the digests of the run's inputs, when already computed."""
     stages = []
     for spec, method in zip(recipe.stages, methods):
         entry = method.record()
@@ -99,9 +106,16 @@ def _record(recipe: Recipe, command: str | None, methods: list) -> dict[str, Any
         "format": "dense",  # replaced by the packed format's name when any layer is stored packed
         "stages": stages,
         "calibration": cal.model_dump(mode="json") if cal else None,
-        "inputs": run_inputs(recipe.source_model, calibration=cal and cal.path, evaluation=recipe.evaluation and recipe.evaluation.text),
+        "inputs": inputs if inputs is not None else _inputs(recipe),
         **({"command": command} if command else {}),
     }  # no clock time: the same command on the same inputs writes the same bytes
+
+
+def _settings(recipe: Recipe) -> dict[str, Any]:
+    """The recipe's settings a resumed run must share with the killed one (all but resuming and overwriting)."""
+    settings = recipe.model_dump(mode="json", exclude={"resume": True, "output": {"overwrite"}})
+    settings["model"] = str(recipe.source_model)  # a GGUF model is converted into a new scratch folder each run
+    return settings
 
 
 def _dense_linears(handle, packed) -> list[str]:
@@ -160,6 +174,8 @@ def run_stages(
     and export it, as the recipe says)."""
     reshaping = check_reshaping_stages(recipe, recipe.methods())
     if reshaping is not None:  # structured pruning: a new checkpoint of other shapes, not the block engine
+        if recipe.resume:
+            raise CompressError("--resume: structured pruning records no progress to resume: run without --resume")
         engine, input_bytes, evaluation, notes = run_reshaping(recipe, reshaping, _record(recipe, command, [reshaping]), progress)
         return RunResult(recipe.output.path, engine, input_bytes, dir_size(recipe.output.path), evaluation, notes)
     device = resolve_device(recipe.device.value)
@@ -191,17 +207,24 @@ def run_stages(
         if not engine.needs_data:
             log.warning("no method in this recipe uses calibration data; it was checked but is unused")
     engine.check(calibration)
+    inputs = _inputs(recipe)
+    settings = {**_settings(recipe), "plans": [plan.to_dict() for _, plan in plans]}  # a plan file's layers, not only its path
+    current = fingerprint(settings, inputs["model"], calibration)
+    if recipe.resume:
+        output.resume = lambda directory: check_resumable(directory, current)
 
     with output as tmp:
         writer = ShardedWriter(tmp, recipe.output.shard_size_mb << 20)
         if handle.names is not None:  # tensors under the checkpoint's on-disk names (transformers' layout)
             writer = RenamingWriter(writer, handle.names)
-        result = engine.run(writer, calibration)
+        journal = BlockJournal(tmp, current)  # progress after each block, for --resume
+        result = engine.run(writer, calibration, journal)
+        journal.remove()
         kv_scheme = store_kv_scales(observer, writer, handle.config)
         writer.close()
         copy_side_files(recipe.model, tmp)
         write_layer_report(tmp, result.layers)
-        record = _record(recipe, command, [stage.method for stage in stages])
+        record = _record(recipe, command, [stage.method for stage in stages], inputs)
         for index, plan in plans:
             record["stages"][index]["plan"] = plan.to_dict()
         if engine.packed:

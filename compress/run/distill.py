@@ -183,6 +183,8 @@ def run_distill(
 def run_distill_recipe(recipe, progress=None, command: str | None = None, on_layer=None, on_step=None) -> DistillResult:
     """Run the recipe's compression stages (if any), then distil the result (or the given student)."""
     spec: DistillSpec = recipe.distill
+    if recipe.resume:  # a recipe's resume: true, as distill's own --resume
+        spec = spec.model_copy(update={"resume": True})
     accelerator = make_accelerator(spec, recipe.device.value)
     compression, staging = None, None
     if recipe.stages:
@@ -191,7 +193,7 @@ def run_distill_recipe(recipe, progress=None, command: str | None = None, on_lay
         staging = recipe.output.path.parent / f".{recipe.output.path.name}.compressed"
         if accelerator.is_main_process:
             shutil.rmtree(staging, ignore_errors=True)
-            stage_recipe = recipe.model_copy(update={"distill": None, "evaluation": None, "export": None,
+            stage_recipe = recipe.model_copy(update={"distill": None, "evaluation": None, "export": None, "resume": False,
                                                      "output": recipe.output.model_copy(update={"path": staging, "overwrite": True})})
             compression = run_stages(stage_recipe, progress, command, on_layer)
         accelerator.wait_for_everyone()

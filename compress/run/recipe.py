@@ -11,6 +11,7 @@ stages:
 output: {path: out/model-rtn-w4g128, overwrite: false, format: compressed-tensors}  # or gptq, fake
 evaluation: {text: eval.txt, ctx: 512}                                 # optional: ppl and KLD after the run
 kv_cache: {format: fp8, strategy: tensor}   # optional: calibrated KV-cache scales (k_scale/v_scale; fp8 or int8)
+resume: false                                # true: continue a killed run of this output (as --resume)
 ```
 
 Unknown keys and bad values are errors naming the YAML line and the valid keys.
@@ -100,6 +101,7 @@ class Recipe(_Strict):
     distill: DistillSpec | None = None  # after the stages (if any): distil into the compressed model
     export: ExportSpec | None = None  # after the run: also write the output checkpoint as one GGUF file
     kv_cache: KVCacheSpec | None = None  # calibrate and store static KV-cache scales (needs calibration)
+    resume: bool = False  # continue the killed run of this output from its first unfinished block (--resume)
 
     _source: Path | None = PrivateAttr(None)  # the GGUF file ``model`` was converted from, if any
 

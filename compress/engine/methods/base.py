@@ -58,6 +58,8 @@ class LayerReport:
 class Method:
     name: ClassVar[str] = ""
     Config: ClassVar[type[MethodConfig]] = MethodConfig
+    # attributes holding what the instance learns over the blocks (for its record): a resumed run restores them
+    learned_state: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, config: MethodConfig):
         self.config = config

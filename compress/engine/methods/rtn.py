@@ -117,6 +117,8 @@ class InputQuantization:
     """For methods on a `GridQuantConfig`: calibrate static input scales, mark the layers whose inputs are
     quantized, and record the activation settings (``activations``, ``activation_layers``) as SmoothQuant does."""
 
+    learned_state = ("input_scales",)  # kept over the blocks for the record; a resumed run restores it (engine/journal.py)
+
     def input_stats(self) -> frozenset[Stat]:
         scheme = self.config.activation_scheme()
         return frozenset({Stat.INPUT_ABSMAX}) if scheme is not None and not scheme.dynamic else frozenset()

@@ -45,6 +45,8 @@ class SmoothQuantConfig(MethodConfig):
 class SmoothQuant(Method):
     """Migrate activation outliers into the weights, then quantize weights and activations to int8."""
 
+    learned_state = ("input_scales",)  # kept over the blocks for the record; a resumed run restores it (engine/journal.py)
+
     Config = SmoothQuantConfig
 
     def __init__(self, config: SmoothQuantConfig):

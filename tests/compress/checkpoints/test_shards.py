@@ -319,3 +319,80 @@ def test_write_safetensors_is_read_by_the_safetensors_library(tmp_path):
         assert f.metadata() == {"format": "pt"}
     header_len = int.from_bytes(path.read_bytes()[:8], "little")
     assert header_len % 8 == 0
+
+
+# -- resuming a killed writer (state / restore) --------------------------------------------------------
+def _resume_tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    return {f"t{i}": torch.randn(40 + i, generator=gen).to(torch.bfloat16 if i % 3 == 0 else torch.float32) for i in range(12)}
+
+
+def _files(directory: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+@pytest.mark.parametrize("cut", [1, 4, 7, 11])
+def test_a_restored_writer_finishes_with_the_bytes_of_an_uninterrupted_one(tmp_path, cut):
+    """Killed after ``cut`` tensors (its state recorded), with more tensors written after the record: a new
+    writer restored from the record writes the rest, and every file equals an uninterrupted writer's. Shards of
+    ~3 tensors, so records fall inside a shard, at its end and after a finished one."""
+    tensors, limit = _resume_tensors(), 3 * 45 * 4
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    writer = ShardedWriter(whole, limit)
+    for name, t in tensors.items():
+        writer.add(name, t)
+    writer.close()
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    writer, names = ShardedWriter(killed, limit), list(tensors)
+    for name in names[:cut]:
+        writer.add(name, tensors[name])
+    state = json.loads(json.dumps(writer.state()))  # as the progress record stores it
+    for name in names[cut:cut + 4]:  # work after the record, lost with the process
+        writer.add(name, tensors[name])
+    del writer
+    resumed = ShardedWriter(killed, limit)
+    resumed.restore(state)
+    for name in names[cut:]:
+        resumed.add(name, tensors[name])
+    resumed.close()
+    assert _files(killed) == _files(whole)
+    reread = CheckpointReader(killed)
+    assert all(torch.equal(reread.get(n), t) for n, t in tensors.items())
+
+
+def test_a_writer_killed_while_finishing_a_shard_is_restored(tmp_path):
+    """Killed inside `flush` after the shard file was written and its data file removed: the data are taken
+    back from the shard file."""
+    tensors, limit = _resume_tensors(), 10_000
+    whole = tmp_path / "whole"
+    whole.mkdir()
+    writer = ShardedWriter(whole, limit)
+    for name, t in tensors.items():
+        writer.add(name, t)
+    writer.close()
+    killed = tmp_path / "killed"
+    killed.mkdir()
+    writer, names = ShardedWriter(killed, limit), list(tensors)
+    for name in names[:5]:
+        writer.add(name, tensors[name])
+    state = writer.state()
+    writer.add(names[5], tensors[names[5]])
+    writer.flush()  # the shard is finished (header and data in shard-00000.tmp) and its data file removed
+    assert not (killed / "shard-00000.data").exists() and (killed / "shard-00000.tmp").exists()
+    resumed = ShardedWriter(killed, limit)
+    resumed.restore(state)
+    for name in names[5:]:
+        resumed.add(name, tensors[name])
+    resumed.close()
+    assert _files(killed) == _files(whole)
+
+
+def test_a_record_naming_a_missing_shard_is_one_line(tmp_path):
+    writer = ShardedWriter(tmp_path, 100)
+    writer.add("a", torch.zeros(64))
+    state = writer.state()
+    (tmp_path / "shard-00000.tmp").unlink()
+    message = one_line_error(ShardedWriter(tmp_path, 100).restore, state)
+    assert "shard-00000.tmp" in message and "remove it" in message

@@ -110,3 +110,13 @@ def test_run_recipe_dispatches_a_distill_recipe(tiny_llama, tmp_path):
                            "distill": {"data": str(CALIB_TEXT), "student": {"layers": [0]}, "steps": 1, "batch_size": 1, "seq_len": 16}})
     result = run_recipe(recipe)
     assert isinstance(result, DistillResult) and len(result.history) == 1 and (tmp_path / "o" / "model.safetensors").is_file()
+
+
+def test_a_recipes_resume_key_resumes_distillation_too(tiny_llama, tmp_path):
+    """``resume: true`` at the top of a recipe is distill's --resume: with no step checkpoint to continue from, the
+    same one-line error as ``distill --resume``."""
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(f"model: {tiny_llama}\ndistill: {{student: {{layers: [0]}}, data: {CALIB_TEXT}, steps: 2, seq_len: 32, "
+                      f"batch_size: 2}}\noutput: {{path: {tmp_path / 'out'}}}\nresume: true\n")
+    done = runner.invoke(app, ["run", str(recipe)])
+    assert done.exit_code == 2 and "--resume: no checkpoint in" in done.output and len(done.output.strip().splitlines()) == 1, done.output

@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import errno
 import hashlib
+import json
 import multiprocessing
 import os
 import random
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -127,7 +129,9 @@ def test_a_signal_stops_the_run_and_cleans_up(tmp_path, tiny_llama, forked, sign
     child.join(60)
     text = log.read_text().strip()
     assert child.exitcode == 128 + signum, text
-    assert text.splitlines() == [f"interrupted by {signal.Signals(signum).name}: stopped; the partial output was removed, nothing was written"]
+    *finished, last = text.splitlines()  # layers that finished before the signal are reported as they finish
+    assert last == f"interrupted by {signal.Signals(signum).name}: stopped; the partial output was removed, nothing was written"
+    assert all(line.startswith("model.layers.") for line in finished), text
     assert sorted(os.listdir(tmp_path)) == ["log.txt"]
     assert _digests(tiny_llama) == before
 
@@ -190,6 +194,119 @@ def test_a_kill_while_writing_is_reported_by_the_next_run(tmp_path, tiny_llama, 
     rerun.join(300)
     report = (tmp_path / "rerun.txt").read_text()
     assert rerun.exitcode == 0 and f"rm -rf {stale}" in report, report
+    verify(tmp_path / "out")
+
+
+# -- SIGKILL, then --resume ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def four_blocks(tmp_path_factory, tiny_tokenizer) -> Path:
+    from conftest import save_random_model, tiny_llama_config
+
+    return save_random_model(tiny_llama_config(len(tiny_tokenizer), num_hidden_layers=4), tmp_path_factory.mktemp("four") / "m", tiny_tokenizer)
+
+
+def _recorded_block(directory: Path) -> int:
+    """The last block the run in ``directory`` recorded as written (-1: none yet)."""
+    try:
+        return json.loads((directory / ".progress" / "progress.json").read_text())["block"]
+    except (OSError, ValueError):
+        return -1
+
+
+@pytest.mark.parametrize("seed", [2, 5])  # killed in block 3 and in block 1
+def test_a_gptq_run_killed_at_a_random_block_resumes_to_the_same_bytes(tmp_path, four_blocks, forked, seed):
+    """SIGKILL once block k's progress record is there (k and the delay after it drawn from the seed; tensors are
+    written slowly, so the kill falls while the next block computes or writes), then the same command with
+    --resume: the output equals an uninterrupted run's file for file, and nothing is left beside it."""
+    out = tmp_path / "out"
+    argv = ["quantize", four_blocks, "-o", out, "--method", "gptq", "--group-size", "32",
+            "--calib", CALIB_TEXT, "--samples", "4", "--seq-len", "32"]
+    full = forked(argv, tmp_path / "full.txt")
+    full.join(300)
+    assert full.exitcode == 0, (tmp_path / "full.txt").read_text()
+    complete = _digests(out)
+    shutil.rmtree(out)
+    rng = random.Random(f"resume-{seed}")
+    block, delay = rng.randrange(3), rng.uniform(0.0, 0.3)
+    child = forked(argv, tmp_path / "killed.txt", slow_writes=0.05)
+    partial = tmp_path / f".out.partial-{child.pid}"
+    deadline = time.monotonic() + 120
+    while _recorded_block(partial) < block:
+        assert child.is_alive() and time.monotonic() < deadline, (tmp_path / "killed.txt").read_text()
+        time.sleep(0.005)
+    time.sleep(delay)
+    child.kill()
+    child.join(60)
+    assert not out.exists() and partial.is_dir(), "the run ended before the kill"
+    killed_at = _recorded_block(partial)
+    resumed = forked([*argv, "--resume"], tmp_path / "resumed.txt")
+    resumed.join(300)
+    report = (tmp_path / "resumed.txt").read_text()
+    assert resumed.exitcode == 0, report
+    assert "was left by an interrupted run" not in report, report
+    assert _digests(out) == complete
+    assert _leftovers(tmp_path, "out") == []
+    print(f"seed {seed}: killed {delay:.2f} s after block {block}'s record, with blocks up to {killed_at} written; resumed")
+
+
+def test_a_run_killed_after_finishing_a_shard_resumes_to_the_same_bytes(tmp_path, tiny_tokenizer, forked):
+    """Dense 2.4 MB blocks in 1 MB shards: the run is killed once a shard is finished after the last progress
+    record, whose shard was then still open (its data file is gone, the finished shard holds it): --resume
+    takes the data back, drops the newer shard and ends with an uninterrupted run's bytes."""
+    from conftest import save_random_model, tiny_llama_config
+
+    model = save_random_model(tiny_llama_config(len(tiny_tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=3),
+                              tmp_path / "m", tiny_tokenizer)
+    out = tmp_path / "out"
+    recipe = tmp_path / "recipe.yaml"
+    recipe.write_text(f"model: {model}\ncalibration: {{path: {CALIB_TEXT}, samples: 4, seq_len: 32}}\n"
+                      f"stages:\n  - method: gptq\n    group_size: 32\noutput: {{path: {out}, format: fake, shard_size_mb: 1}}\n")
+    full = forked(["run", recipe], tmp_path / "full.txt")
+    full.join(300)
+    assert full.exitcode == 0, (tmp_path / "full.txt").read_text()
+    complete = _digests(out)
+    shutil.rmtree(out)
+    child = forked(["run", recipe], tmp_path / "killed.txt", slow_writes=0.05)
+    partial = tmp_path / f".out.partial-{child.pid}"
+    deadline = time.monotonic() + 120
+
+    def shard_finished_after_the_record() -> bool:
+        try:
+            writer = json.loads((partial / ".progress" / "progress.json").read_text())["writer"]
+        except (OSError, ValueError):
+            return False
+        return bool(writer["entries"]) and (partial / f"shard-{len(writer['shards']):05d}.tmp").exists()
+
+    while not shard_finished_after_the_record():
+        assert child.is_alive() and time.monotonic() < deadline, (tmp_path / "killed.txt").read_text()
+        time.sleep(0.005)
+    child.kill()
+    child.join(60)
+    assert not out.exists()
+    resumed = forked(["run", recipe, "--resume"], tmp_path / "resumed.txt")
+    resumed.join(300)
+    assert resumed.exitcode == 0, (tmp_path / "resumed.txt").read_text()
+    assert _digests(out) == complete and len([n for n in complete if n.endswith(".safetensors")]) > 3
+
+
+def test_without_resume_a_killed_run_is_reported_with_the_resume_command(tmp_path, tiny_llama, forked):
+    argv = ["quantize", tiny_llama, "-o", tmp_path / "out", "--method", "gptq", "--group-size", "32",
+            "--calib", CALIB_TEXT, "--samples", "4", "--seq-len", "32"]
+    child = forked(argv, tmp_path / "killed.txt", slow_writes=0.05)
+    partial = tmp_path / f".out.partial-{child.pid}"
+    deadline = time.monotonic() + 120
+    while _recorded_block(partial) < 0:
+        assert child.is_alive() and time.monotonic() < deadline, (tmp_path / "killed.txt").read_text()
+        time.sleep(0.005)
+    child.kill()
+    child.join(60)
+    rerun = forked(argv, tmp_path / "rerun.txt")
+    rerun.join(300)
+    report = (tmp_path / "rerun.txt").read_text()
+    assert rerun.exitcode == 0, report
+    assert (f"{partial} was left by an interrupted run and is not used; continue it with the same command and --resume, "
+            f"or remove it with: rm -rf {partial}") in " ".join(report.split()), report
+    assert _recorded_block(partial) == 0  # reported, never reused: the new run wrote its own directory
     verify(tmp_path / "out")
 
 
