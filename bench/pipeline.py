@@ -2,7 +2,7 @@
 
     python bench/pipeline.py [--model DIR] [--blocks 8] [--method gptq|rtn|awq|w8a8] [--bits 4 --group-size 64]
                              [--calib FILE --samples 32 --seq-len 512] [--text FILE --max-tokens 4096]
-                             [--threads 2] [--device cpu|cuda] [--anchor llm-compressor]
+                             [--threads 2] [--device cpu|cuda] [--anchor llm-compressor] [--set KEY=VALUE ...]
 
 Phases (exclusive time: a phase's time excludes the phases it calls): ``load`` (opening the checkpoint, the
 tokenizer and the calibration windows), ``capture`` (block 0's inputs), ``order`` (one batch through each
@@ -139,14 +139,23 @@ def ours(args, model: Path, out: Path, clock: PhaseClock) -> float:
     from compress.run.runner import run_recipe
 
     stages = METHODS[args.method](args)
+    stages = stages if isinstance(stages, list) else [stages]
+    stages[-1] = {**stages[-1], **dict(_setting(item) for item in args.set)}
     recipe = {
-        "model": model, "stages": stages if isinstance(stages, list) else [stages], "device": args.device,
+        "model": model, "stages": stages, "device": args.device,
         "calibration": {"path": args.calib, "samples": args.samples, "seq_len": args.seq_len},
         "output": {"path": out, "format": "compressed-tensors"},
     }
     start = time.perf_counter()
     run_recipe(parse_recipe(recipe))
     return time.perf_counter() - start
+
+
+def _setting(item: str) -> tuple[str, object]:
+    import yaml
+
+    key, _, value = item.partition("=")
+    return key, yaml.safe_load(value)
 
 
 def anchor(args, model: Path, out: Path, scratch: Path) -> float:
@@ -191,6 +200,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--anchor", choices=["llm-compressor"])
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="another setting of (the last stage of) our method, e.g. true_sequential=false")
     args = ap.parse_args()
 
     import torch
@@ -207,8 +218,9 @@ def main() -> None:
         phases = dict(clock.seconds)
         counts = dict(clock.calls)
         rss = peak_rss_gb()
-        print(f"model {model.name}, {args.method} w{args.bits} g{args.group_size}"
-              f"{' act-order' if args.act_order and args.method == 'gptq' else ''}, calibration {args.samples} x "
+        what = "smoothquant + gptq w8a8-int8" if args.method == "w8a8" else f"{args.method} w{args.bits} g{args.group_size}"
+        print(f"model {model.name}, {what}{' act-order' if args.act_order and args.method == 'gptq' else ''}"
+              f"{''.join(' ' + item for item in args.set)}, calibration {args.samples} x "
               f"{args.seq_len}, {args.threads} threads, {args.device}")
         print("\n| phase | seconds | share | calls |\n|---|---:|---:|---:|")
         for phase in ("load", "capture", "order", "statistics", "solve", "replay", "propagation", "write"):
