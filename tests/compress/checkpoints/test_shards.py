@@ -327,6 +327,18 @@ def _resume_tensors() -> dict[str, torch.Tensor]:
     return {f"t{i}": torch.randn(40 + i, generator=gen).to(torch.bfloat16 if i % 3 == 0 else torch.float32) for i in range(12)}
 
 
+def _uninterrupted(tmp_path: Path, tensors: dict, limit: int) -> tuple[Path, Path]:
+    """``whole``: every tensor written by one writer; ``killed``: an empty folder for the interrupted one."""
+    whole, killed = tmp_path / "whole", tmp_path / "killed"
+    whole.mkdir()
+    killed.mkdir()
+    writer = ShardedWriter(whole, limit)
+    for name, t in tensors.items():
+        writer.add(name, t)
+    writer.close()
+    return whole, killed
+
+
 def _files(directory: Path) -> dict[str, bytes]:
     return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
 
@@ -337,14 +349,7 @@ def test_a_restored_writer_finishes_with_the_bytes_of_an_uninterrupted_one(tmp_p
     writer restored from the record writes the rest, and every file equals an uninterrupted writer's. Shards of
     ~3 tensors, so records fall inside a shard, at its end and after a finished one."""
     tensors, limit = _resume_tensors(), 3 * 45 * 4
-    whole = tmp_path / "whole"
-    whole.mkdir()
-    writer = ShardedWriter(whole, limit)
-    for name, t in tensors.items():
-        writer.add(name, t)
-    writer.close()
-    killed = tmp_path / "killed"
-    killed.mkdir()
+    whole, killed = _uninterrupted(tmp_path, tensors, limit)
     writer, names = ShardedWriter(killed, limit), list(tensors)
     for name in names[:cut]:
         writer.add(name, tensors[name])
@@ -366,14 +371,7 @@ def test_a_writer_killed_while_finishing_a_shard_is_restored(tmp_path):
     """Killed inside `flush` after the shard file was written and its data file removed: the data are taken
     back from the shard file."""
     tensors, limit = _resume_tensors(), 10_000
-    whole = tmp_path / "whole"
-    whole.mkdir()
-    writer = ShardedWriter(whole, limit)
-    for name, t in tensors.items():
-        writer.add(name, t)
-    writer.close()
-    killed = tmp_path / "killed"
-    killed.mkdir()
+    whole, killed = _uninterrupted(tmp_path, tensors, limit)
     writer, names = ShardedWriter(killed, limit), list(tensors)
     for name in names[:5]:
         writer.add(name, tensors[name])
