@@ -13,7 +13,9 @@ KL divergence of the model's next-token distribution from the reference's is tak
 ``KL(P_ref || P_model) = sum_v p_ref(v) * (log p_ref(v) - log p_model(v))``, the figure llama.cpp
 reports. It is 0 for identical models and grows as the model's predictions drift from the
 reference's. The mean over all scored tokens and the 99th percentile are reported, together with
-the reference's own perplexity on the same tokens.
+the reference's own perplexity on the same tokens, and the model's acceptance rates as a draft of the
+reference in speculative decoding (`compress.eval.speculative`): greedy, the share of positions where both
+predict the same most likely token; sampled at temperature 1, the mean of ``sum_v min(p_ref(v), p(v))``.
 
 Memory. Log-probabilities are taken from the logits `POSITION_CHUNK` positions at a time, in float32
 (the log-softmax shifts by the row maximum, and a KL term is a difference of two such values), so beyond
@@ -76,6 +78,10 @@ class EvalResult:
     kld: float | None = None  # mean per-token KLD vs the reference, when one was given
     kld_p99: float | None = None  # 99th percentile of the per-token KLD
     ref_perplexity: float | None = None  # the reference's perplexity on the same tokens
+    # as a draft of the reference (speculative decoding): the share of scored positions where both models' most
+    # likely token agree (greedy acceptance) and the mean of sum_v min(p_ref, p) (acceptance when sampling at T=1)
+    acceptance: float | None = None
+    acceptance_t1: float | None = None
     kv_cache: str | None = None  # the KV-cache format simulated in the model's attention (eval.kv_cache), if any
 
     def to_dict(self) -> dict:
@@ -194,6 +200,7 @@ def evaluate(
     if reference_cache is not None:
         reference_cache.check_matches(tokens, ctx, stride)
     nll_sum, ref_nll_sum, n_scored = 0.0, 0.0, 0
+    agree, overlap = 0, 0.0  # greedy agreements; sum over positions of sum_v min(p_ref, p)
     klds: list[torch.Tensor] = []
     start = time.perf_counter()
     with torch.inference_mode(), _eval_mode(model), _eval_mode(reference):
@@ -203,18 +210,24 @@ def evaluate(
             if ref_log_probs is not None:
                 ref_nll_sum += _nll(ref_log_probs, targets).double().sum().item()
                 klds.append(kld_from_log_probs(ref_log_probs, log_probs).cpu())
+                agree += int((ref_log_probs.argmax(dim=-1) == log_probs.argmax(dim=-1)).sum())
+                overlap += torch.minimum(ref_log_probs, log_probs).exp().sum(dim=-1).double().sum().item()
             elif reference_cache is not None:
                 reference_cache.check_vocab(log_probs.shape[-1])
                 rows = slice(first - 1, first - 1 + len(targets))  # row t - 1 holds target position t
                 ref_nll_sum -= reference_cache.target_log_prob[rows].double().sum().item()
                 cached = [getattr(reference_cache, name)[rows].to(log_probs.device) for name in ("top_ids", "top_log_probs", "rest_log_prob")]
                 klds.append(kld_from_top_k(log_probs, *cached).cpu())
+                agree += int((cached[0][:, 0].long() == log_probs.argmax(dim=-1)).sum())  # top-1 is stored first
     result = _result(nll_sum, n_scored, len(windows), time.perf_counter() - start)
     if klds:
         per_token = torch.cat(klds).double()
         result.kld = per_token.mean().item()
         result.kld_p99 = float(np.percentile(per_token.numpy(), 99))
         result.ref_perplexity = math.exp(ref_nll_sum / n_scored)
+        result.acceptance = agree / n_scored
+        # sum_v min(p_ref, p) needs the whole distributions: not from a top-k cache
+        result.acceptance_t1 = overlap / n_scored if reference_cache is None else None
     return result
 
 

@@ -87,6 +87,8 @@ class Row:
     sparsity: float | None
     description: str = ""
     extra: dict[str, Any] = field(default_factory=dict)  # e.g. lm-eval task scores
+    acceptance: float | None = None  # as a draft of the baseline: greedy acceptance (eval.perplexity.EvalResult)
+    acceptance_t1: float | None = None  # and when sampling at temperature 1
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -233,6 +235,7 @@ def make_row(path: Path, result, evaluator: Evaluator | None = None, fig: dict[s
         path.name, str(path), "gguf" if path.is_file() else "checkpoint", evaluator.value, result.perplexity,
         result.kld, result.kld_p99, result.tokens_scored, fig["size_bytes"], fig["bits_per_weight"],
         fig["bits_source"], fig["sparsity"], fig["description"],
+        acceptance=getattr(result, "acceptance", None), acceptance_t1=getattr(result, "acceptance_t1", None),
     )
 
 
@@ -295,6 +298,7 @@ def evaluate_outputs(
     base_row = Row(
         "baseline", str(baseline), "baseline", Evaluator.TRANSFORMERS.value, base.perplexity, 0.0, 0.0, base.tokens_scored,
         base_fig["size_bytes"], base_fig["bits_per_weight"], "stored", base_fig["sparsity"], "uncompressed",
+        acceptance=1.0, acceptance_t1=1.0,
     )
     rows = []
     for path in outputs:

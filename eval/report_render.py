@@ -99,7 +99,19 @@ def _fmt(v: Any, digits: int) -> str:
     return "n/a" if v is None else f"{v:.{digits}f}"
 
 
-COLUMNS = ("output", "what", "evaluated by", "ppl", "mean KLD", "KLD p99", "size (MB)", "bits/weight", "sparsity")
+COLUMNS = ("output", "what", "evaluated by", "ppl", "mean KLD", "KLD p99", "size (MB)", "bits/weight", "sparsity",
+           "draft α greedy / T=1", "tokens/call k=4")
+DRAFT_K = 4  # drafted tokens per target call in the report's tokens/call column
+
+
+def _draft_cells(alpha: float | None, alpha_t1: float | None) -> list[str]:
+    """Each output as a speculative-decoding draft of the baseline: its acceptance rates and the mean tokens one
+    baseline call yields with `DRAFT_K` greedy drafted tokens (`compress.eval.speculative`)."""
+    from compress.eval.speculative import expected_tokens_per_call
+
+    if alpha is None:
+        return ["n/a", "n/a"]
+    return [f"{alpha:.3f} / {_fmt(alpha_t1, 3)}", f"{expected_tokens_per_call(alpha, DRAFT_K):.2f}"]
 
 
 def table_rows(report: dict) -> list[list[str]]:
@@ -112,6 +124,7 @@ def table_rows(report: dict) -> list[list[str]]:
             r["name"], r["description"] + (f" [{', '.join(extra)}]" if extra else ""), r["evaluator"],
             _fmt(r["perplexity"], 4), _fmt(r["kld"], 6), _fmt(r["kld_p99"], 5), f"{r['size_bytes'] / 1e6:.3f}", bits,
             "n/a" if r["sparsity"] is None else f"{r['sparsity']:.1%}",
+            *_draft_cells(r.get("acceptance"), r.get("acceptance_t1")),
         ])
     return out
 

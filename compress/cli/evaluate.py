@@ -81,6 +81,8 @@ def eval_ppl(
         rows["reference perplexity"] = f"{result.ref_perplexity:.4f}"
         rows["mean KLD vs reference" + (" (top-k, lower bound)" if reference_cache is not None else "")] = f"{result.kld:.6f}"
         rows["KLD 99th percentile"] = f"{result.kld_p99:.6f}"
+        t1 = "n/a (top-k cache)" if result.acceptance_t1 is None else f"{result.acceptance_t1:.4f}"
+        rows["as a draft: acceptance greedy / T=1"] = f"{result.acceptance:.4f} / {t1}"
     stdout.print(key_value_table(f"{model} on {text.name}", rows))
 
 

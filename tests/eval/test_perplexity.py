@@ -195,6 +195,32 @@ def test_kld_matches_per_token_computation(model, perturbed, tokens, ctx, stride
     assert result.perplexity == pytest.approx(slow_perplexity(perturbed, tokens, ctx, stride)[0], rel=1e-4)
 
 
+def slow_acceptance(model, reference, ids: torch.Tensor, ctx: int, stride: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per scored token, greedy and T=1 acceptance of ``model`` drafting for ``reference``, one window at a time,
+    by `compress.eval.speculative.acceptance` (the speculative-decoding evaluator's own definition)."""
+    from compress.eval.speculative import acceptance
+
+    greedy, sampled = [], []
+    with torch.no_grad():
+        for begin, end, trg_len in reference_windows(len(ids), ctx, stride):
+            input_ids = ids[begin:end].unsqueeze(0)
+            logits, ref_logits = model(input_ids=input_ids).logits[0], reference(input_ids=input_ids).logits[0]
+            rows = slice(max(end - trg_len, begin + 1) - begin - 1, end - begin - 1)
+            greedy.append(acceptance(ref_logits[rows], logits[rows], 0.0))
+            sampled.append(acceptance(ref_logits[rows], logits[rows], 1.0))
+    return torch.cat(greedy), torch.cat(sampled)
+
+
+def test_acceptance_as_a_draft_matches_the_speculative_definition(model, perturbed, tokens):
+    greedy, sampled = slow_acceptance(perturbed, model, tokens, 64, 32)
+    assert len(greedy) == N_TOKENS - 1 and 0.05 < greedy.mean() < 0.95  # the perturbation leaves some agreement
+    result = evaluate(perturbed, tokens, ctx=64, stride=32, batch_size=3, reference=model)
+    assert result.acceptance == pytest.approx(greedy.mean().item(), abs=1e-12)
+    assert result.acceptance_t1 == pytest.approx(sampled.mean().item(), rel=1e-5)
+    itself = evaluate(model, tokens, ctx=64, stride=32, reference=model)
+    assert itself.acceptance == 1.0 and itself.acceptance_t1 == pytest.approx(1.0, abs=1e-5)
+
+
 # --- errors ------------------------------------------------------------------------------------
 
 

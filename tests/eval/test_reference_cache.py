@@ -136,6 +136,7 @@ def test_cache_with_small_k_is_below_the_full_kld(models, tokens):
     cache, _ = build_reference_cache(reference, tokens, ctx=64, stride=32, top_k=4)
     approx = evaluate(model, tokens, ctx=64, stride=32, reference_cache=cache)
     assert 0 < approx.kld < full.kld
+    assert approx.acceptance == full.acceptance and approx.acceptance_t1 is None  # top-1 is kept: greedy is exact
     assert approx.perplexity == pytest.approx(full.perplexity, rel=1e-9)
     assert approx.ref_perplexity == pytest.approx(full.ref_perplexity, rel=1e-6)
 

@@ -69,9 +69,10 @@ def test_report_rows_equal_compress_eval_ppl(tiny_llama, tmp_path):
     report = cli_json("report", str(fake), str(packed), "--baseline", str(tiny_llama), "-o", str(tmp_path / "rep"), *args)
     for row in report["outputs"]:
         alone = cli_json("eval", "ppl", row["path"], "--reference", str(tiny_llama), *args)
-        assert (row["perplexity"], row["kld"], row["kld_p99"], row["tokens_scored"]) == (
-            alone["perplexity"], alone["kld"], alone["kld_p99"], alone["tokens_scored"],
+        assert (row["perplexity"], row["kld"], row["kld_p99"], row["tokens_scored"], row["acceptance"], row["acceptance_t1"]) == (
+            alone["perplexity"], alone["kld"], alone["kld_p99"], alone["tokens_scored"], alone["acceptance"], alone["acceptance_t1"],
         )
+        assert 0 < row["acceptance"] <= 1
     fake_row, packed_row = report["outputs"]
     assert fake_row["evaluator"] == "transformers" and fake_row["bits_source"] == "nominal" and fake_row["bits_per_weight"] == 4.5
     assert packed_row["evaluator"].startswith("packed") and packed_row["bits_source"] == "stored"
