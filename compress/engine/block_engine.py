@@ -20,7 +20,7 @@ import resource
 import time
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol
+from typing import Callable, Protocol
 
 import torch
 from torch import nn
@@ -31,6 +31,7 @@ from compress.errors import CompressError
 from compress.formats.base import PackedLayer, PackFormat, has_trivial_g_idx
 from compress.engine.journal import BlockJournal
 from compress.engine.methods.base import LayerOutcome, LayerReport, Method
+from compress.engine.passes import InputCatcher, StopForward, forward_groups, run_block, run_until_called, split_hidden
 from compress.checkpoints.model_io import ModelHandle, get_weight, is_conv1d
 from compress.engine.statistics import StatsCollector
 
@@ -83,40 +84,6 @@ class EngineResult:
     peak_rss_bytes: int = 0
     peak_device_bytes: int | None = None
     final_hidden: list[torch.Tensor] | None = None  # the last block's outputs, when asked for
-
-
-class _StopForward(Exception):
-    pass
-
-
-class _InputCatcher(nn.Module):
-    """Stands in for block 0: records its call and stops the forward pass."""
-
-    def __init__(self, inner: nn.Module):
-        super().__init__()
-        self.inner = inner
-        self.calls: list[tuple[tuple, dict[str, Any]]] = []
-
-    def __getattr__(self, name: str):
-        try:
-            return super().__getattr__(name)
-        except AttributeError:  # models may read attributes of their layers (e.g. attention type)
-            return getattr(self.inner, name)
-
-    def forward(self, *args, **kwargs):
-        self.calls.append((args, kwargs))
-        raise _StopForward
-
-
-def _split_hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict]:
-    if args:
-        return args[0], args[1:], kwargs
-    kwargs = dict(kwargs)
-    return kwargs.pop("hidden_states"), (), kwargs
-
-
-def _block_output(out) -> torch.Tensor:
-    return out[0] if isinstance(out, (tuple, list)) else out
 
 
 def _expert_tokens(block_name: str, routing: dict, collector: StatsCollector) -> dict[str, dict[str, int]]:
@@ -200,7 +167,7 @@ class Engine:
         outer = set(handle.non_block_parameters(base))
         # Materialize the base model's weights outside the blocks (embeddings, positions, norms).
         handle.materialize(base, handle.base_prefix, self.device, self.dtype, only=outer)
-        catcher = _InputCatcher(handle.blocks[0])
+        catcher = InputCatcher(handle.blocks[0])
         handle.blocks[0] = catcher
         inputs = []
         batches = calibration.split(self.batch_size)
@@ -209,10 +176,10 @@ class Engine:
                 for i, batch in enumerate(batches):
                     try:
                         base(input_ids=batch.to(self.device), use_cache=False)
-                    except _StopForward:
+                    except StopForward:
                         pass
                     args, kwargs = catcher.calls.pop()
-                    inputs.append(_split_hidden(args, kwargs))
+                    inputs.append(split_hidden(args, kwargs))
                     self.progress("calibration", i + 1, len(batches))
         finally:
             handle.blocks[0] = catcher.inner
@@ -221,35 +188,10 @@ class Engine:
 
     # -- 2. blocks --------------------------------------------------------------------------------
     def _run_block(self, block: nn.Module, inputs) -> list[torch.Tensor]:
-        with torch.inference_mode():
-            return [_block_output(block(h, *args, **kwargs)) for h, args, kwargs in inputs]
+        return run_block(block, inputs)
 
     def _run_until_called(self, block: nn.Module, inputs, layers: dict[str, nn.Module]) -> None:
-        """Run ``block`` on every calibration batch only until each of ``layers`` has been called: nothing
-        after their last call can change their inputs, so a statistics pass for q/k/v stops before the
-        attention, one for gate/up before the MLP's down projection (true-sequential's 4 passes cost ~2)."""
-        pending: set[str] = set()
-
-        def called(name: str):
-            def hook(_module, _args, _output):
-                pending.discard(name)
-                if not pending:
-                    raise _StopForward
-
-            return hook
-
-        handles = [module.register_forward_hook(called(name)) for name, module in layers.items()]
-        try:
-            with torch.inference_mode():
-                for h, args, kwargs in inputs:
-                    pending.update(layers)
-                    try:
-                        block(h, *args, **kwargs)
-                    except _StopForward:
-                        pass
-        finally:
-            for handle in handles:
-                handle.remove()
+        run_until_called(block, inputs, layers)
 
     def _compress_block(self, index: int, inputs) -> list[LayerReport]:
         block, block_name = self.handle.blocks[index], self._block_names[index]
@@ -300,35 +242,7 @@ class Engine:
                 log.warning("%s was quantized and then changed by %s: it is written dense", name, method.name)
 
     def _forward_groups(self, block: nn.Module, layers: dict[str, nn.Module], sample) -> list[dict[str, nn.Module]]:
-        """Split ``layers`` into groups in the order the block calls them; layers called in a row on the
-        very same input tensor (q/k/v, gate/up) form one group. Learned by running one batch."""
-        calls: list[tuple[str, torch.Tensor]] = []  # holding the inputs keeps their identities unique
-        hooks = [
-            module.register_forward_pre_hook(
-                lambda _m, args, kwargs, n=name: calls.append((n, args[0] if args else next(iter(kwargs.values())))),
-                with_kwargs=True,
-            )
-            for name, module in layers.items()
-        ]
-        try:
-            self._run_block(block, [sample])
-        finally:
-            for h in hooks:
-                h.remove()
-        groups: list[dict[str, nn.Module]] = []
-        seen: set[str] = set()
-        last_input = None
-        for name, x in calls:
-            if name in seen:
-                continue
-            if groups and x is last_input:
-                groups[-1][name] = layers[name]
-            else:
-                groups.append({name: layers[name]})
-            seen.add(name)
-            last_input = x
-        uncalled = {n: m for n, m in layers.items() if n not in seen}
-        return groups + ([uncalled] if uncalled else [])
+        return forward_groups(layers, lambda: self._run_block(block, [sample]))
 
     def run(self, writer: ShardedWriter, calibration: torch.Tensor | None = None, journal: BlockJournal | None = None) -> EngineResult:
         """``journal``: records the progress after each written block, and continues a killed run it recorded."""
