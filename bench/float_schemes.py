@@ -20,6 +20,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from quality import quality_parser  # noqa: E402
 
+from compress.errors import CompressError  # noqa: E402
 from compress.eval.report import checkpoint_figures  # noqa: E402
 from compress.run.recipe import parse_recipe  # noqa: E402
 from compress.run.runner import run_recipe  # noqa: E402
@@ -43,6 +44,7 @@ def main() -> None:
     print(f"model {args.model}, text {args.text.name} (first {args.max_tokens} tokens, ctx {args.ctx}); "
           f"calibration {args.calib.name} {args.samples}x{args.seq_len}")
     print(f"| scheme | method | ppl | mean KLD | bits/weight | size (MB) | time (s) |\n| --- | --- | --- | --- | --- | --- | --- |")
+    ev = None
     with tempfile.TemporaryDirectory() as tmp:
         root = args.keep or Path(tmp)
         for scheme in args.schemes.split(","):
@@ -55,11 +57,16 @@ def main() -> None:
                     "evaluation": {"text": args.text, "ctx": args.ctx, "max_tokens": args.max_tokens},
                 }
                 start = time.perf_counter()
-                result = run_recipe(parse_recipe(data))
+                try:
+                    result = run_recipe(parse_recipe(data))
+                except CompressError as exc:  # e.g. a group size the model's widths do not divide: a row, not a stop
+                    print(f"| {scheme} | {method} | {exc} | | | | |", flush=True)
+                    continue
                 ev, fig = result.evaluation, checkpoint_figures(result.output)
                 print(f"| {scheme} | {method} | {ev.perplexity:.3f} | {ev.kld:.5f} | {fig['bits_per_weight']:.3f} | "
                       f"{fig['size_bytes'] / 1e6:.2f} | {time.perf_counter() - start:.0f} |", flush=True)
-        print(f"baseline ppl {ev.ref_perplexity:.3f}")
+        if ev is not None:
+            print(f"baseline ppl {ev.ref_perplexity:.3f}")
 
 
 if __name__ == "__main__":
