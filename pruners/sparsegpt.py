@@ -39,7 +39,7 @@ import torch
 from compress.pruners.masks import NM, Pattern, prune_lowest_nm, prune_lowest_per_row
 from compress.pruners.result import PruneResult
 from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, quantize
-from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, proxy_loss, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, layer_error, solver_inputs
 from compress.quantizers.result import QuantResult
 from compress.quantizers.threads import one_thread
 
@@ -126,9 +126,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
 
     # Proxy loss with the caller's Hessian (undamped): (2/n)‖(W − Ŵ)X‖² for H = 2/n X Xᵀ.
-    W0, H0 = weight.detach().float(), hessian.detach().float()
-    delta = W0 - Q
-    error, base = proxy_loss(delta, H0), proxy_loss(W0, H0)
+    error, rel_error = layer_error(weight.detach(), Q, hessian.detach())
     stats = {
         "sparsity": float((Q == 0).float().mean()),
         "damp": damp,
@@ -136,7 +134,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
         "damp_retries": retries,
         "dead_columns": int(dead.sum()),
         "error": error,
-        "rel_error": error / base if base > 0 else 0.0,
+        "rel_error": rel_error,
     }
     quant = QuantResult(Q, codes, scale, zero, scheme) if scheme is not None else None
     return PruneResult(Q, pruned, quant, stats)

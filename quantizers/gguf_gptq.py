@@ -36,7 +36,7 @@ import torch
 from compress.formats.gguf import grids
 from compress.formats.gguf.codecs import decode_tensor, encode_tensor
 from compress.formats.gguf.sizes import GGMLType
-from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, layer_error, solver_inputs
 
 
 @dataclass(frozen=True)
@@ -59,15 +59,6 @@ class GGUFQuantResult:
     data: np.ndarray  # [out, row_bytes] uint8 in ``kind``'s block layout
     kind: GGMLType
     stats: dict = field(default_factory=dict)
-
-
-def layer_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> tuple[float, float]:
-    """``tr((W − Q) H (W − Q)ᵀ)`` and its ratio to ``tr(W H Wᵀ)``."""
-    W, H = weight.float(), hessian.float()
-    delta = W - quantized.float()
-    error = float(((delta @ H) * delta).sum())
-    base = float(((W @ H) * W).sum())
-    return error, error / base if base > 0 else 0.0
 
 
 def _round_block(W1: torch.Tensor, Err1: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.BlockGrid) -> np.ndarray:

@@ -173,16 +173,14 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         g_idx = (torch.arange(in_features, device=W.device) // width).to(torch.int32)
 
     # Proxy loss with the caller's Hessian (undamped): (2/n)‖(W − Q)X‖² for H = 2/n X Xᵀ.
-    W0, H0 = weight.detach().float(), hessian.detach().float()
-    delta = W0 - Q
-    error, base = proxy_loss(delta, H0), proxy_loss(W0, H0)
+    error, rel_error = layer_error(weight.detach(), Q, hessian.detach())
     stats = {
         "damp": damp,
         "lambda": lam,
         "damp_retries": retries,
         "dead_columns": int(dead.sum()),
         "error": error,
-        "rel_error": error / base if base > 0 else 0.0,
+        "rel_error": rel_error,
     }
     return QuantResult(Q, codes, scale, zero, scheme, g_idx=g_idx, stats=stats)
 
@@ -191,6 +189,13 @@ def proxy_loss(delta: torch.Tensor, H: torch.Tensor) -> float:
     """``tr(Δ H Δᵀ)`` for ``Δ [out, in]``: summed per row, then over rows in float64, so that the figure does
     not depend on the thread count (a whole-tensor sum is split across threads and rounds differently)."""
     return float(((delta @ H) * delta).sum(dim=1).double().sum())
+
+
+def layer_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> tuple[float, float]:
+    """GPTQ's proxy ``tr((W − Q) H (W − Q)ᵀ)`` and its ratio to ``tr(W H Wᵀ)`` (float32 inputs)."""
+    W, H = weight.float(), hessian.float()
+    error, base = proxy_loss(W - quantized.float(), H), proxy_loss(W, H)
+    return error, error / base if base > 0 else 0.0
 
 
 def inverse_hessian_factor(

@@ -48,7 +48,7 @@ from compress.formats.gguf.codecs import decode_tensor, encode_tensor
 from compress.formats.gguf.grids import is_block_quantized
 from compress.formats.gguf.sizes import GGMLType
 from compress.quantizers.gguf_gptq import GGUFGPTQConfig, gguf_gptq
-from compress.quantizers.gptq import GPTQConfig, gptq
+from compress.quantizers.gptq import GPTQConfig, gptq, layer_error
 from compress.quantizers.rtn import rtn
 
 log = logging.getLogger(__name__)
@@ -108,13 +108,6 @@ def quantize_with(candidate: Candidate, weight: torch.Tensor, hessian: torch.Ten
     return rtn(weight, candidate.scheme).weight
 
 
-def _proxy(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> tuple[float, float]:
-    delta = weight - quantized
-    error = float(((delta @ hessian) * delta).sum())
-    base = float(((weight @ hessian) * weight).sum())
-    return error, error / base if base > 0 else 0.0
-
-
 def relative_error(changed: list[torch.Tensor], clean: list[torch.Tensor]) -> float:
     """``mean_t ‖changed_t − clean_t‖² / ‖clean_t‖²`` over every token vector of the batches."""
     total, count = 0.0, 0
@@ -155,7 +148,7 @@ class _Measure(Method):
                     residual = relative_error(replay(), clean)
                 finally:
                     set_weight(module, weight)
-                error, rel = _proxy(weight, quantized, hessian)
+                error, rel = layer_error(weight, quantized, hessian)
                 size, stored = self.sizes[name][candidate.name]
                 figures[candidate.name] = Measured(size, stored, error, rel, residual)
                 self.quantized.setdefault(name, {})[candidate.name] = quantized
@@ -334,7 +327,7 @@ def _finish(handle, run, streams, embed_streams, final_hidden, candidates, setti
                 for c in candidates:
                     size, stored = sizes[key][c.name]
                     kld = sum(_kld_sum(x, x, w_head, head_q[c.name]) for x in clean) / run.tokens
-                    error, rel = (None, None) if tied else _proxy(w_head, head_q[c.name], hessian)
+                    error, rel = (None, None) if tied else layer_error(w_head, head_q[c.name], hessian)
                     figures[c.name] = Measured(size, stored, error, rel, None, kld)
             if embed_q:
                 figures = run.layers.setdefault(embed_name, {})
