@@ -16,6 +16,7 @@ Runs on CUDA, and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -203,6 +204,7 @@ def _split_k(n_programs: int, k_blocks: int, target: int) -> int:
     return max(1, min(k_blocks // 2, triton.cdiv(target, n_programs)))
 
 
+@functools.cache  # asked on every decode step: the device's SM count does not change
 def _program_target(device: torch.device) -> int:
     return 2 * torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
 
