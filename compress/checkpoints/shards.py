@@ -240,6 +240,16 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
                 f.write(_tensor_bytes(t))
 
 
+class DiscardingWriter:
+    """A writer that keeps nothing: the engine's output on a process that is not the one writing it."""
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
 class ShardedWriter:
     """Writes tensors to ``model-XXXXX-of-YYYYY.safetensors`` shards plus an index, streaming.
 

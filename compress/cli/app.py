@@ -9,7 +9,7 @@ import sys
 import typer
 
 from compress import __version__
-from compress.cli.console import install_signal_handlers, stdout
+from compress.cli.console import install_signal_handlers, quiet_other_ranks, stdout
 
 app = typer.Typer(
     name="compress",
@@ -66,5 +66,6 @@ _register_commands()
 
 def main() -> None:
     install_signal_handlers()  # the process is ours: SIGTERM stops a run as Ctrl-C does, cleaning up
+    quiet_other_ranks()
     app()
 

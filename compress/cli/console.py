@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import json
+import os
 import shlex
 import signal
 import sys
@@ -19,6 +20,18 @@ from compress.errors import CompressError
 
 console = Console(stderr=True)  # progress and tables; stdout stays clean for --json
 stdout = Console()
+errors = Console(stderr=True)  # never quiet: an error may be one rank's alone
+
+
+def launched_rank() -> int:
+    """This process's rank under a launcher (torchrun and accelerate set RANK); 0 without one."""
+    return int(os.environ.get("RANK", "0"))
+
+
+def quiet_other_ranks() -> None:
+    """Under a launcher every rank runs the same command: only rank 0 shows progress, layers and summaries."""
+    if launched_rank() != 0:
+        console.quiet = stdout.quiet = True
 
 
 def command_line() -> str:
@@ -58,7 +71,8 @@ def user_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except CompressError as exc:
-            console.print(f"[bold red]error:[/] {exc}", highlight=False, soft_wrap=True)
+            rank = f"rank {launched_rank()}: " if launched_rank() else ""
+            errors.print(f"[bold red]error:[/] {rank}{exc}", highlight=False, soft_wrap=True)
             raise typer.Exit(2) from None
         except (KeyboardInterrupt, Terminated) as exc:
             signum = exc.signum if isinstance(exc, Terminated) else signal.SIGINT
@@ -123,4 +137,5 @@ def key_value_table(title: str, rows: dict[str, Any]) -> Table:
 
 
 def print_json(data: Any) -> None:
-    sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")
+    if not stdout.quiet:
+        sys.stdout.write(json.dumps(data, indent=2, default=str) + "\n")

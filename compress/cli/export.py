@@ -9,7 +9,7 @@ import typer
 
 from compress.cli.measure import MAX_KLD_OPT, TARGET_BPW_OPT, TARGET_SIZE_OPT
 from compress.cli.options import DEVICE_OPT, JSON_OPT, MODEL_ARG, SAMPLES_OPT, SEQ_LEN_OPT
-from compress.cli.console import command_line, console, human_bytes, key_value_table, print_json, progress_bars, user_errors
+from compress.cli.console import command_line, console, human_bytes, key_value_table, launched_rank, print_json, progress_bars, user_errors
 
 
 def export_command(
@@ -92,6 +92,8 @@ def export_command(
 
                 imatrix = Path(scratch) / "imatrix.gguf"
                 run_imatrix(ImatrixConfig(model, calib, imatrix, samples, seq_len), progress)
+            if launched_rank():  # under a launcher the other processes shared the imatrix; rank 0 writes the file
+                return
             source = f"collected from {calib}" if calib is not None else None
             calibration = {"path": str(calib), "samples": samples, "seq_len": seq_len} if calib is not None else None
             result = export_gguf(replace(config, imatrix=imatrix, imatrix_source=source, calibration=calibration), progress)

@@ -10,6 +10,9 @@
 3. Copy (or, for methods needing no statistics, transform) the tensors outside the blocks.
 
 Only one block's weights are in compute memory at a time. The engine never tests a method's name.
+With several processes (`compress.engine.ranks`), each runs its share of the calibration windows,
+statistics are combined over all of them, layer-by-layer methods solve each layer on one rank and
+broadcast it, and only the main rank's writer keeps what it is given.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from compress.errors import CompressError
 from compress.formats.base import PackedLayer, PackFormat, has_trivial_g_idx
 from compress.engine.journal import BlockJournal
 from compress.engine.methods.base import LayerOutcome, LayerReport, Method
+from compress.engine.ranks import Ranks, Replay
 from compress.engine.passes import InputCatcher, StopForward, forward_groups, run_block, run_until_called, split_hidden
 from compress.checkpoints.model_io import ModelHandle, get_weight, is_conv1d
 from compress.engine.statistics import StatsCollector
@@ -47,6 +51,9 @@ class BlockObserver(Protocol):
     name: str  # for messages
 
     def watch(self, block_name: str, block: nn.Module) -> AbstractContextManager: ...
+
+    def combine(self, ranks: Ranks) -> None:
+        """Merge what every rank watched (after each block's run)."""
 
 
 @dataclass
@@ -116,13 +123,16 @@ class Engine:
         keep_final_hidden: bool = False,
         observer: BlockObserver | None = None,
         all_experts: bool = True,
+        ranks: Ranks | None = None,
     ):
         """``packer``: the output format that writes each quantized layer's codes (None: dense weights).
         ``keep_final_hidden``: return the compressed last block's outputs on the calibration data (the
         output layer's inputs, before the final norm), for a caller calibrating the output layer.
         ``observer``: watches every compressed block's run on the calibration data (e.g. the KV-cache
-        statistics); with one, calibration inputs are captured even if no method needs them."""
+        statistics); with one, calibration inputs are captured even if no method needs them.
+        ``ranks``: the processes sharing this run (default: this one alone)."""
         self.handle = handle
+        self.ranks = ranks or Ranks()
         self.observer = observer
         self.all_experts = all_experts  # MoE: calibrate every expert on every token (outputs stay routed)
         self.keep_final_hidden = keep_final_hidden
@@ -160,6 +170,11 @@ class Engine:
             names = [s.method.name for s in self.stages if any(m.needs for m in s.methods())]
             who = f"method {', '.join(names)}" if names else self.observer.name
             raise CompressError(f"{who} needs calibration data: pass --calib PATH")
+        if self.needs_data and calibration.shape[0] < self.ranks.world:
+            raise CompressError(
+                f"{calibration.shape[0]} calibration windows cannot be shared by {self.ranks.world} processes: "
+                f"use at least {self.ranks.world} samples or fewer processes"
+            )
 
     # -- 1. inputs of block 0 -------------------------------------------------------------------
     def capture_inputs(self, calibration: torch.Tensor) -> list[tuple[torch.Tensor, tuple, dict]]:
@@ -211,16 +226,59 @@ class Engine:
                 with StatsCollector(group, needs) as collector:
                     if needs:
                         self._run_until_called(block, inputs, group)
+                collector.combine(self.ranks)
                 stats = collector.results()
-                tokens = _expert_tokens(block_name, routing, collector) if needs else {}
-                replay = lambda: self._run_block(block, inputs)  # noqa: E731 - methods that measure outputs
+                tokens = self._expert_tokens(block_name, routing, collector) if needs else {}
+                replay = Replay(lambda: self._run_block(block, inputs), self.ranks)  # methods that measure outputs
                 for method, part in stage.split(group):
-                    for report in method.transform_block(block, part, {n: stats[n] for n in part}, replay=replay):
+                    parallel = self.ranks.world > 1 and method.layerwise
+                    solve = self._solve_across_ranks if parallel else self._solve
+                    for report in solve(method, block, part, {n: stats[n] for n in part}, replay):
                         report.info.update(tokens.get(report.name, {}))
                         self.on_layer(report)
                         reports.append(report)
                     self._keep_outcomes(method, part)
         return reports
+
+    def _expert_tokens(self, block_name: str, routing: dict, collector: StatsCollector) -> dict[str, dict[str, int]]:
+        counts = _expert_tokens(block_name, routing, collector)
+        if counts and self.ranks.world > 1:  # routed tokens over every rank's share (the statistics' counts already are)
+            routed = self.ranks.sum_floats(*(c["routed_tokens"] for c in counts.values()))
+            for c, total in zip(counts.values(), routed):
+                c["routed_tokens"] = int(total)
+        return counts
+
+    @staticmethod
+    def _solve(method: Method, block: nn.Module, layers: dict[str, nn.Module], stats, replay) -> list[LayerReport]:
+        return method.transform_block(block, layers, stats, replay=replay)
+
+    def _solve_across_ranks(self, method: Method, block: nn.Module, layers: dict[str, nn.Module], stats, replay) -> list[LayerReport]:
+        """Weight-parallel: each rank solves its share of ``layers`` (balanced by rows × columns², the cost
+        of a second-order solve), then the owners broadcast the new weights and share their codes, reports
+        and learned state, so every rank holds what one process would."""
+        ranks = self.ranks
+        costs = {}
+        for name, module in layers.items():
+            out_features, in_features = get_weight(module).shape
+            costs[name] = float(out_features) * in_features * in_features
+        owner = ranks.assign(costs)
+        mine = {n: m for n, m in layers.items() if owner[n] == ranks.rank}
+        reports = {r.name: r for r in (method.transform_block(block, mine, {n: stats[n] for n in mine}, replay=replay) if mine else [])}
+        learned = {attr: {n: v for n, v in method.__dict__.get(attr, {}).items() if n in mine} for attr in method.learned_state}
+        shares = ranks.gather({"reports": reports, "kept": method.take_outcomes(), "learned": learned})
+        ordered = []
+        for name, module in layers.items():
+            share = shares[owner[name]]
+            ranks.broadcast_(module.weight.data, owner[name])
+            if name in share["kept"]:
+                method.keep_outcome(name, share["kept"][name])
+            for attr, values in share["learned"].items():
+                state = method.__dict__.setdefault(attr, {})
+                state.pop(name, None)  # re-inserted in layer order, as one process would have
+                if name in values:
+                    state[name] = values[name]
+            ordered.append(share["reports"][name])
+        return ordered
 
     def _keep_outcomes(self, method: Method, layers: dict[str, nn.Module]) -> None:
         """Remember the codes of the layers ``method`` just quantized; a layer changed by a later stage
@@ -255,7 +313,7 @@ class Engine:
         if resumed is not None:
             first, inputs, result.layers = resumed
         else:
-            first, inputs = 0, self.capture_inputs(calibration) if self.needs_data else []
+            first, inputs = 0, self.capture_inputs(self.ranks.local_share(calibration)) if self.needs_data else []
         blocks = self.handle.blocks
         for i in range(first, len(blocks)):
             block, name = blocks[i], self._block_names[i]
@@ -264,6 +322,8 @@ class Engine:
             if self.needs_data and (i + 1 < len(blocks) or self.keep_final_hidden or self.observer is not None):
                 with self.observer.watch(name, block) if self.observer is not None else nullcontext():
                     outputs = self._run_block(block, inputs)
+                if self.observer is not None:
+                    self.observer.combine(self.ranks)
                 inputs = [(out, args, kwargs) for out, (_, args, kwargs) in zip(outputs, inputs)]
             self._write_block(writer, name, block, original)
             self.handle.release(block)

@@ -74,6 +74,12 @@ class KVCacheCalibration:
             yield
         taps.check_used(f"kv_cache {self.spec.format.value}")
 
+    def combine(self, ranks) -> None:
+        """The maxima over every rank's calibration tokens (`compress.engine.ranks.Ranks`)."""
+        for pair in self.amax.values():
+            for amax in pair:
+                ranks.max_(amax)
+
     def scales(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Static per-head scales (k, v) ``[kv_heads]`` float32 per attention module."""
         return {name: (scale_from_amax(k, self.spec.format), scale_from_amax(v, self.spec.format)) for name, (k, v) in self.amax.items()}

@@ -2,9 +2,9 @@
 
 Every method declares the `Stat` kinds it needs; the engine attaches a `StatsCollector` to a block's
 layers and collects exactly those, from the layer inputs ``x`` (``[..., in_features]``: 2-D or 3-D
-activations, nn.Linear and GPT-2 Conv1D alike). All accumulation is float32 (the Hessian and mean as
-running means, the L2 norm as a sum of squares), so the figures do not depend on how calibration
-samples are batched.
+activations, nn.Linear and GPT-2 Conv1D alike), as float64 sums of each window's float32 products
+(see `InputStatistics`), so the figures do not depend on how calibration windows are batched or
+shared among processes.
 
 - HESSIAN: ``H = 2/n Σ x xᵀ`` over all n token vectors (``[in, in]``), the GPTQ/SparseGPT proxy Hessian.
 - INPUT_L2: per-input-channel L2 norm ``‖X_j‖₂`` over all tokens (``[in]``), Wanda's activation norm.
@@ -29,48 +29,66 @@ class Stat(enum.Enum):
 
 
 class InputStatistics:
-    """Running statistics of one layer's inputs."""
+    """Running statistics of one layer's inputs, kept as float64 sums.
+
+    Each calibration window's (each row of a 3-D input's) float32 products are added to float64 sums, so
+    the figures do not depend on how windows are batched or shared among processes: float64 sums in any
+    order round to the same float32 result (differing only where a sum lands within 1e-16 of a float32
+    rounding boundary). GPTQ's column order follows the Hessian's diagonal, so last-bit differences there
+    would change many codes."""
 
     def __init__(self, in_features: int, needs: frozenset[Stat], device: torch.device | str = "cpu"):
         self.in_features = in_features
         self.needs = needs
         self.count = 0  # token vectors seen
-        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float32, device=device)  # noqa: E731
-        self.hessian = zeros(in_features, in_features) if Stat.HESSIAN in needs else None
-        self.sq_sum = zeros(in_features) if Stat.INPUT_L2 in needs else None
-        self.absmax = zeros(in_features) if Stat.INPUT_ABSMAX in needs else None
-        self.absmean = zeros(in_features) if Stat.INPUT_ABSMEAN in needs else None
+        zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
+        self.outer_sum = zeros(in_features, in_features) if Stat.HESSIAN in needs else None  # Σ x xᵀ
+        self.sq_sum = zeros(in_features) if Stat.INPUT_L2 in needs else None  # Σ x²
+        self.absmax = torch.zeros(in_features, device=device) if Stat.INPUT_ABSMAX in needs else None
+        self.abs_sum = zeros(in_features) if Stat.INPUT_ABSMEAN in needs else None  # Σ |x|
 
     def update(self, x: torch.Tensor) -> None:
-        x = x.detach().reshape(-1, self.in_features).float()
-        m = x.shape[0]
-        if m == 0:
+        x = x.detach().float()
+        if x.numel() == 0:
             return
-        n = self.count
-        total = n + m
-        if self.hessian is not None:
-            # Running mean of 2 x xᵀ: rescale the old mean, add the new rows scaled by sqrt(2/total).
-            self.hessian.mul_(n / total)
-            xs = x * (2.0 / total) ** 0.5
-            self.hessian.addmm_(xs.t(), xs)
-        if self.sq_sum is not None:
-            self.sq_sum.add_(x.square().sum(dim=0))
+        windows = x.reshape(-1, x.shape[-2], self.in_features) if x.dim() >= 3 else x.reshape(1, -1, self.in_features)
+        for window in windows:
+            if window.shape[0] == 0:
+                continue
+            if self.outer_sum is not None:
+                self.outer_sum.add_(window.t() @ window)
+            if self.sq_sum is not None:
+                self.sq_sum.add_(window.square().sum(dim=0))
+            if self.absmax is not None:
+                torch.maximum(self.absmax, window.abs().amax(dim=0), out=self.absmax)
+            if self.abs_sum is not None:
+                self.abs_sum.add_(window.abs().sum(dim=0))
+            self.count += window.shape[0]
+
+    def combine(self, ranks) -> None:
+        """Replace this rank's statistics with those of all ranks' tokens (`compress.engine.ranks.Ranks`)."""
+        held = [t for t in (self.outer_sum, self.sq_sum, self.absmax, self.abs_sum) if t is not None]
+        if ranks.world == 1 or not held:
+            return
+        self.count = int(ranks.sum_(torch.tensor([float(self.count)], dtype=torch.float64, device=held[0].device)).item())
+        for total in (self.outer_sum, self.sq_sum, self.abs_sum):
+            if total is not None:
+                ranks.sum_(total)
         if self.absmax is not None:
-            torch.maximum(self.absmax, x.abs().amax(dim=0), out=self.absmax)
-        if self.absmean is not None:
-            self.absmean.mul_(n / total).add_(x.abs().sum(dim=0) / total)
-        self.count = total
+            ranks.max_(self.absmax)
 
     def result(self) -> dict[Stat, torch.Tensor]:
+        """Each needed statistic, float32; ``H = 2/n Σ x xᵀ`` (zeros before any token)."""
+        n = max(self.count, 1)
         out: dict[Stat, torch.Tensor] = {}
-        if self.hessian is not None:
-            out[Stat.HESSIAN] = self.hessian
+        if self.outer_sum is not None:
+            out[Stat.HESSIAN] = (self.outer_sum * (2.0 / n)).float()
         if self.sq_sum is not None:
-            out[Stat.INPUT_L2] = self.sq_sum.sqrt()
+            out[Stat.INPUT_L2] = self.sq_sum.sqrt().float()
         if self.absmax is not None:
             out[Stat.INPUT_ABSMAX] = self.absmax
-        if self.absmean is not None:
-            out[Stat.INPUT_ABSMEAN] = self.absmean
+        if self.abs_sum is not None:
+            out[Stat.INPUT_ABSMEAN] = (self.abs_sum / n).float()
         return out
 
 
@@ -111,6 +129,11 @@ class StatsCollector(AbstractContextManager):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def combine(self, ranks) -> None:
+        """Every layer's statistics over all ranks' calibration tokens (`InputStatistics.combine`)."""
+        for stats in self.stats.values():
+            stats.combine(ranks)
 
     def results(self) -> dict[str, dict[Stat, torch.Tensor]]:
         return {name: s.result() for name, s in self.stats.items()}

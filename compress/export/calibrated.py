@@ -33,8 +33,9 @@ import torch
 
 from compress.checkpoints.architecture import FINAL_NORMS
 from compress.checkpoints.calibration import load_calibration
-from compress.checkpoints.shards import CheckpointReader, ShardedWriter
+from compress.checkpoints.shards import CheckpointReader, DiscardingWriter, ShardedWriter
 from compress.engine.block_engine import Engine, Stage
+from compress.engine.ranks import Ranks
 from compress.errors import CompressError
 from compress.checkpoints.loading import load_tokenizer, resolve_device
 from compress.export.gguf import ExportConfig, ExportResult, GGUFMethod, _read_config, _tensor_plan, check_output, export_gguf
@@ -54,9 +55,9 @@ ProgressFn = Callable[[str, int, int], None]
 OUTPUT_LAYER = "lm_head"  # the llama-family output layer (GGUF output.weight)
 
 
-def solve_output_layer(handle, norm_name: str, hidden: list[torch.Tensor], solver: GGUFGPTQ, device) -> list[LayerReport]:
+def solve_output_layer(handle, norm_name: str, hidden: list[torch.Tensor], solver: GGUFGPTQ, device, ranks: Ranks) -> list[LayerReport]:
     """GPTQ on the output layer, its Hessian from ``norm(hidden)`` (the final norm of the last block's
-    outputs): the only layer outside the blocks with an input to calibrate on."""
+    outputs, of every process): the only layer outside the blocks with an input to calibrate on."""
     norm, layer = handle.model.get_submodule(norm_name), handle.model.get_submodule(OUTPUT_LAYER)
     handle.materialize(norm, norm_name, device, torch.float32)
     handle.materialize(layer, OUTPUT_LAYER, device, torch.float32, only={"weight"})
@@ -65,20 +66,11 @@ def solve_output_layer(handle, norm_name: str, hidden: list[torch.Tensor], solve
         with torch.inference_mode():
             for h in hidden:
                 stats.update(norm(h))
-        return solver.transform_block(layer, {OUTPUT_LAYER: layer}, {OUTPUT_LAYER: stats.result()})
+        stats.combine(ranks)
+        return solver.transform_block(layer, {OUTPUT_LAYER: layer}, {OUTPUT_LAYER: stats.result()}) if ranks.main else []
     finally:
         handle.release(norm)
         handle.release(layer, only={"weight"})
-
-
-class _Discard:
-    """A checkpoint writer that keeps nothing: GPTQ's product is its encoded bytes."""
-
-    def add(self, name, tensor) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
 
 
 def layer_types(model: Path, config: ExportConfig) -> dict[str, GGMLType]:
@@ -121,21 +113,27 @@ def export_calibrated(
         stages.append(Stage(solver, layers))
         if solver.config.output_layer and OUTPUT_LAYER in types and handle.config.model_type in FINAL_NORMS:
             head = FINAL_NORMS[handle.config.model_type]
-    engine = Engine(handle, stages, device, batch_size=calibration.batch_size, progress=progress, keep_final_hidden=head is not None)
+    ranks = Ranks.from_environment(device)  # under a launcher: data-parallel calibration, weight-parallel solves
+    engine = Engine(handle, stages, device, batch_size=calibration.batch_size, progress=progress, keep_final_hidden=head is not None,
+                    ranks=ranks)
     windows = load_calibration(
         calibration.path, load_tokenizer(config.model), calibration.samples, calibration.seq_len, calibration.seed
     )
     engine.check(windows)
 
     def run_engine(writer):
-        run = engine.run(writer, windows)
-        if head is not None:
-            run.layers += solve_output_layer(handle, head, run.final_hidden, solver, device)
+        with ranks:
+            run = engine.run(writer, windows)
+            if head is not None:
+                run.layers += solve_output_layer(handle, head, run.final_hidden, solver, device, ranks)
         return run
 
     encoded = solver.encoded if solver is not None else None
+    if not ranks.main:  # its share of the calibration and solves; the main process writes the file
+        run_engine(DiscardingWriter())
+        return ExportResult(config.output, config.target.value, handle.config.model_type, seconds=time.perf_counter() - start)
     if not method.scales:  # only the encoded layers change: read the rest from the input
-        run = run_engine(_Discard())
+        run = run_engine(DiscardingWriter())  # GPTQ's product is its encoded bytes
         result = export_gguf(config, progress, encoded=encoded)
     else:  # the scaled checkpoint, written next to the output and exported from there
         config.output.parent.mkdir(parents=True, exist_ok=True)

@@ -18,6 +18,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from compress.engine.ranks import Ranks
 from compress.errors import CompressError
 from compress.formats.gguf.imatrix import Imatrix, ImatrixEntry, write_imatrix
 from compress.formats.gguf.plan import gguf_name
@@ -78,10 +79,24 @@ def run_imatrix(config: ImatrixConfig, progress: Callable[[str, int, int], None]
     windows = load_calibration(config.calib, load_tokenizer(config.model), config.samples, config.seq_len, config.seed)
     model = load_model(config.model, torch.device("cpu")).eval()
     on_step = (lambda d, t: progress("collecting activations", d, t)) if progress else None
-    entries = collect_imatrix(model, windows, config.process_output, on_step)
+    with Ranks.from_environment() as ranks:  # under a launcher: each process its share of the windows
+        if windows.shape[0] < ranks.world:
+            raise CompressError(f"{windows.shape[0]} calibration windows cannot be shared by {ranks.world} processes: use more samples")
+        entries = collect_imatrix(model, ranks.local_share(windows), config.process_output, on_step)
+        combine_entries(entries, ranks)
     if not entries:
         raise CompressError(f"no llama-family linear layers found in {config.model}: imatrix supports llama, mistral and qwen2")
+    summary = {"output": str(config.output), "entries": len(entries), "chunks": int(windows.shape[0]),
+               "chunk_size": int(windows.shape[1])}
+    if not ranks.main:  # the main process writes the file
+        return {**summary, "seconds": round(time.perf_counter() - start, 3)}
     config.output.parent.mkdir(parents=True, exist_ok=True)
     write_imatrix(config.output, Imatrix(entries, [str(config.calib)], windows.shape[0], windows.shape[1]))
-    return {"output": str(config.output), "entries": len(entries), "chunks": int(windows.shape[0]),
-            "chunk_size": int(windows.shape[1]), "seconds": round(time.perf_counter() - start, 3)}
+    return {**summary, "seconds": round(time.perf_counter() - start, 3)}
+
+
+def combine_entries(entries: dict[str, ImatrixEntry], ranks: Ranks) -> None:
+    """Every entry's sums and counts over all processes' windows (float64 sums, as each process keeps them)."""
+    for entry in entries.values():
+        sums = ranks.sum_(torch.from_numpy(np.append(entry.in_sum2, float(entry.count))))
+        entry.in_sum2, entry.count = sums[:-1].numpy(), int(sums[-1].item())

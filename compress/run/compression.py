@@ -12,9 +12,10 @@ from compress import __version__
 from compress.checkpoints.calibration import load_calibration
 from compress.checkpoints.conversion import RenamingWriter
 from compress.checkpoints.experts import expert_layers
-from compress.checkpoints.shards import ShardedWriter
+from compress.checkpoints.shards import DiscardingWriter, ShardedWriter
 from compress.engine.block_engine import Engine, EngineResult, LayerFn, ProgressFn, Stage
 from compress.engine.journal import BlockJournal, check_resumable, fingerprint
+from compress.engine.ranks import Ranks
 from compress.eval.perplexity import EvalResult
 from compress.errors import CompressError
 from compress.checkpoints.loading import load_tokenizer, resolve_device
@@ -197,9 +198,12 @@ def run_stages(
     plans = apply_plans(recipe.stages, stages, handle)  # per-layer settings: stages[i].overrides
     cal = recipe.calibration
     observer = kv_observer(recipe)  # calibrated KV-cache scales, collected on the engine's block runs
+    ranks = Ranks.from_environment(device)  # under torchrun / accelerate launch: this process's part of the run
+    if ranks.world > 1 and recipe.resume:
+        raise CompressError(f"--resume continues a run of one process, not of {ranks.world}: run it again without the launcher, or without --resume")
     engine = Engine(
         handle, stages, device, batch_size=cal.batch_size if cal else 8, progress=progress, on_layer=on_layer, packer=packer,
-        observer=observer, all_experts=cal.all_experts if cal else True,
+        observer=observer, all_experts=cal.all_experts if cal else True, ranks=ranks,
     )
     calibration = None
     if cal is not None:  # loaded even when unused, so a bad calibration set fails early and clearly
@@ -212,14 +216,20 @@ def run_stages(
     current = fingerprint(settings, inputs["model"], calibration)
     if recipe.resume:
         output.resume = lambda directory: check_resumable(directory, current)
+    if not ranks.main:  # its share of the calibration and of the solves; the main rank writes, evaluates, exports
+        with ranks:
+            result = engine.run(DiscardingWriter(), calibration)
+        return RunResult(recipe.output.path, result, handle.reader.total_bytes(), 0, None, notes)
 
     with output as tmp:
         writer = ShardedWriter(tmp, recipe.output.shard_size_mb << 20)
         if handle.names is not None:  # tensors under the checkpoint's on-disk names (transformers' layout)
             writer = RenamingWriter(writer, handle.names)
-        journal = BlockJournal(tmp, current)  # progress after each block, for --resume
-        result = engine.run(writer, calibration, journal)
-        journal.remove()
+        journal = BlockJournal(tmp, current) if ranks.world == 1 else None  # progress after each block, for --resume
+        with ranks:  # the process group ends with the engine's run: writing, evaluating and exporting are the main rank's
+            result = engine.run(writer, calibration, journal)
+        if journal is not None:
+            journal.remove()
         kv_scheme = store_kv_scales(observer, writer, handle.config)
         writer.close()
         copy_side_files(recipe.model, tmp)

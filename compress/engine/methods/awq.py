@@ -38,13 +38,14 @@ class AWQMethodConfig(GridQuantConfig):
         return self
 
 
-def _output_error(calls, run) -> float:
-    """Mean squared difference between recorded outputs and ``run(args, kwargs)`` over all calls."""
+def _output_error(calls, run, ranks) -> float:
+    """Mean squared difference between recorded outputs and ``run(args, kwargs)`` over all calls (of every rank)."""
     total, count = 0.0, 0
     for args, kwargs, reference in calls:
         out = run(args, kwargs)
         total += (out.float() - reference.float()).square().sum().item()
         count += reference.numel()
+    total, count = ranks.sum_floats(total, count)
     return total / max(count, 1)
 
 
@@ -57,10 +58,10 @@ def _scaled_inputs(stats: dict, divisor: torch.Tensor | None) -> dict:
     return {**stats, Stat.INPUT_ABSMAX: absmax / divisor.to(absmax.device, absmax.dtype)}
 
 
-def _sample_tokens(calls, count: int) -> torch.Tensor:
-    """``count`` evenly strided token vectors from the recorded inputs: ``[n, in]``."""
+def _sample_tokens(calls, count: int, ranks) -> torch.Tensor:
+    """``count`` evenly strided token vectors from the recorded inputs (of every rank, in order): ``[n, in]``."""
     x = torch.cat([args[0].reshape(-1, args[0].shape[-1]) for args, _, _ in calls])
-    return x[:: max(1, x.shape[0] // count)][:count]
+    return ranks.strided_rows(x, count)
 
 
 @register_method("awq")
@@ -152,7 +153,7 @@ class AWQ(InputQuantization, Method):
             def loss(candidates, layers=layers, calls=calls, run=run):
                 for module, w in zip(layers, candidates):
                     set_weight(module, w)
-                return _output_error(calls, run)
+                return _output_error(calls, run, replay.ranks)
 
             quantizers = [self.round_trip(selected[n]) if n in selected else None for n in group.layers]
             search = search_scales(x_mean.to(originals[0].device), originals, loss, config, quantizers)
@@ -171,4 +172,4 @@ class AWQ(InputQuantization, Method):
             return {}
         with CallRecorder(modules) as recorder:
             replay()
-        return {rel: _sample_tokens(calls, self.config.clip_tokens) for rel, calls in recorder.calls.items()}
+        return {rel: _sample_tokens(calls, self.config.clip_tokens, replay.ranks) for rel, calls in recorder.calls.items()}

@@ -75,6 +75,12 @@ class Method:
         collected after the groups before it were transformed (GPTQ's "true sequential")."""
         return False
 
+    @property
+    def layerwise(self) -> bool:
+        """True: each layer is transformed alone (`transform_layer`, no `transform_block` of its own), so
+        the engine may solve a block's layers on different processes."""
+        return type(self).transform_block is Method.transform_block
+
     def prepare(self, model: nn.Module) -> None:
         """Learn what the method needs of the architecture (``model`` is the weightless skeleton), raising
         `CompressError` before any work starts if it cannot run on it."""
@@ -95,7 +101,8 @@ class Method:
         """Transform the selected layers of one block in place; the default goes layer by layer.
 
         ``replay()`` runs the block on the calibration inputs again (None outside blocks), for methods
-        that measure the block's outputs under candidate weights (AWQ's scale search)."""
+        that measure the block's outputs under candidate weights (AWQ's scale search); ``replay.ranks``
+        combines such figures over the processes that share the calibration data (`compress.engine.ranks`)."""
         reports = []
         for name, module in layers.items():
             start = time.perf_counter()

@@ -37,6 +37,7 @@ class GGUFGPTQ(HessianMethod):
     name = "gptq"
     label = "GPTQ (GGUF)"
     Config = GGUFGPTQMethodConfig
+    learned_state = ("encoded",)  # each layer's bytes: solved on one process, shared with the others
 
     def __init__(self, config: GGUFGPTQMethodConfig, types: dict[str, GGMLType]):
         super().__init__(config)

@@ -1,0 +1,133 @@
+"""Many processes on one engine: 2 gloo processes under torchrun give the output of one process."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from compress.cli.app import app
+from compress.engine.ranks import Ranks
+from conftest import CALIB_TEXT, REFERENCE_MODEL
+
+CALIB = ["--calib", str(CALIB_TEXT), "--samples", "6", "--seq-len", "96"]
+CASES = {
+    "rtn": ["quantize", "--method", "rtn"],
+    "gptq+kv-int8": ["quantize", "--method", "gptq", "--kv-cache", "int8", *CALIB],
+    "awq": ["quantize", "--method", "awq", *CALIB],
+    "smoothquant": ["quantize", "--method", "smoothquant", *CALIB],
+    "sparsegpt": ["prune", "--method", "sparsegpt", "--sparsity", "0.5", *CALIB],
+    "wanda-2:4": ["prune", "--method", "wanda", "--pattern", "2:4", *CALIB],
+    "gguf-gptq": ["export", "--type", "q4_k_m", "--method", "gptq", *CALIB],
+    "imatrix": ["imatrix", *CALIB],
+}
+FILE_OUTPUTS = {"export", "imatrix"}  # one GGUF file, compared byte for byte
+
+
+# -- one process: the collectives are identities --------------------------------------------------------
+def test_one_process_shares_nothing():
+    ranks, x = Ranks(), torch.arange(40.0).reshape(20, 2)
+    assert ranks.main and ranks.local_share(x) is x
+    assert ranks.sum_floats(1.5, 2.0) == [1.5, 2.0]
+    for count in (1, 3, 7, 20, 50):
+        assert torch.equal(ranks.strided_rows(x, count), x[:: max(1, 20 // count)][:count])
+
+
+def test_jobs_are_balanced_within_grahams_bound():
+    """Longest-processing-time-first is within 4/3 - 1/(3m) of the best makespan (Graham 1969); checked
+    against every assignment of small random job sets."""
+    gen = torch.Generator().manual_seed(0)
+    for trial in range(30):
+        world = 2 + trial % 2
+        costs = {f"layer{i}": float(c) for i, c in enumerate(torch.randint(1, 100, (6,), generator=gen))}
+        owner = Ranks(0, world).assign(costs)
+        assert set(owner) == set(costs) and set(owner.values()) <= set(range(world))
+        makespan = max(sum(c for n, c in costs.items() if owner[n] == r) for r in range(world))
+        best = min(
+            max(sum(c for c, r in zip(costs.values(), choice) if r == rank) for rank in range(world))
+            for choice in itertools.product(range(world), repeat=len(costs))
+        )
+        assert makespan <= (4 / 3 - 1 / (3 * world)) * best + 1e-9
+
+
+def test_windows_are_shared_in_order():
+    windows = torch.arange(7).reshape(7, 1)
+    shares = [Ranks(r, 3).local_share(windows) for r in range(3)]
+    assert torch.equal(torch.cat(shares), windows) and [len(s) for s in shares] == [3, 2, 2]
+
+
+# -- two processes ---------------------------------------------------------------------------------------
+def _tensors(directory: Path) -> dict[str, torch.Tensor]:
+    out = {}
+    for path in sorted(directory.glob("*.safetensors")):
+        out.update(load_file(path))
+    return out
+
+
+def _gguf_contents(path: Path) -> tuple[dict, dict]:
+    """Every metadata value (the run record without its command line) and every tensor's bytes."""
+    from gguf import GGUFReader
+
+    reader = GGUFReader(path)
+    fields = {name: [bytes(part) for part in field.parts] for name, field in reader.fields.items()}
+    if "llm_compress.record" in reader.fields:
+        record = json.loads(reader.fields["llm_compress.record"].contents())
+        record.pop("command")
+        fields["llm_compress.record"] = record
+    return fields, {t.name: t.data.tobytes() for t in reader.tensors}
+
+
+def _config(directory: Path) -> dict:
+    config = json.loads((directory / "config.json").read_text())
+    config["compression"].pop("command")  # the launcher's command line differs
+    return config
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_two_processes_write_what_one_process_writes(tmp_path, case):
+    argv = CASES[case]
+    suffix = ".gguf" if argv[0] in FILE_OUTPUTS else ""
+    one, two = tmp_path / f"one{suffix}", tmp_path / f"two{suffix}"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs (torchrun's default): the reference differs only in its process count
+    try:
+        done = CliRunner().invoke(app, [argv[0], str(REFERENCE_MODEL), "-o", str(one), *argv[1:], "--json"])
+    finally:
+        torch.set_num_threads(threads)
+    assert done.exit_code == 0, done.output
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    launched = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "compress.cli", argv[0], str(REFERENCE_MODEL), "-o", str(two), *argv[1:], "--json"],
+        capture_output=True, text=True, env=env, timeout=300,
+    )
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    assert json.loads(launched.stdout)["output"] == str(two)  # rank 0's summary alone
+    if suffix:
+        assert _gguf_contents(two) == _gguf_contents(one)
+        return
+    assert _config(two) == _config(one)
+    a, b = _tensors(one), _tensors(two)
+    assert a.keys() == b.keys()
+    differing = {name: int((a[name] != b[name]).sum()) for name in a if not torch.equal(a[name], b[name])}
+    assert not differing, f"{len(differing)} tensors differ: {differing}"
+
+
+def test_more_processes_than_windows_is_refused(tmp_path):
+    launched = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "compress.cli", "quantize", str(REFERENCE_MODEL), "-o", str(tmp_path / "out"), "--method", "gptq",
+         "--calib", str(CALIB_TEXT), "--samples", "1", "--seq-len", "64"],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
+    )
+    assert launched.returncode != 0
+    assert "1 calibration windows cannot be shared by 2 processes" in launched.stderr
+    assert not (tmp_path / "out").exists()
