@@ -88,6 +88,7 @@ def instrument(clock: PhaseClock) -> None:
     clock.wrap(Engine, "_forward_groups", "order")
     clock.wrap(Engine, "_run_until_called", "statistics")
     clock.wrap(Engine, "_write_block", "write")
+    clock.wrap(Engine, "_propagate", "propagation")
     clock.wrap(Engine, "_write_outer", "write")
     clock.wrap(Method, "transform_block", "solve")
     for method_class in _method_classes(Method):

@@ -18,8 +18,9 @@ import logging
 from pathlib import Path
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
+from compress.checkpoints.sizes import parse_size
 from compress.errors import CompressError
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,14 @@ class CalibrationSpec(BaseModel):
     all_experts: bool = Field(
         True, description="MoE: every calibration token goes through every expert (the block's output stays the routed one)"
     )
+    activation_memory: int | None = Field(
+        None, ge=0, description="bytes of block inputs kept in memory (e.g. 4GB); the rest wait on disk (default: all in memory)"
+    )
+
+    @field_validator("activation_memory", mode="before")
+    @classmethod
+    def _size(cls, value):
+        return None if value is None else parse_size(value)
 
 
 def _first_line(exc: BaseException) -> str:

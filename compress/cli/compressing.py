@@ -30,6 +30,7 @@ from compress.cli.options import (
     OVERWRITE_OPT,
     RESUME_OPT,
     SAMPLES_OPT,
+    ACTIVATION_MEMORY_OPT,
     SEQ_LEN_OPT,
     TRUST_REMOTE_CODE_OPT,
 )
@@ -116,6 +117,8 @@ def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
     }
     if args["calib"] is not None:
         data["calibration"] = {"path": args["calib"], "samples": args["samples"], "seq_len": args["seq_len"]}
+        if args.get("activation_memory") is not None:
+            data["calibration"]["activation_memory"] = args["activation_memory"]
     if args["eval_text"] is not None:
         data["evaluation"] = {"text": args["eval_text"]}
     if args.get("kv_cache") is not None:
@@ -141,6 +144,7 @@ def quantize(
     calib: Optional[Path] = CALIB_OPT,
     samples: int = SAMPLES_OPT,
     seq_len: int = SEQ_LEN_OPT,
+    activation_memory: Optional[str] = ACTIVATION_MEMORY_OPT,
     include: list[str] = typer.Option([], "--include", help="Regex of layer names to compress (replaces the default: all block linears)."),
     exclude: list[str] = EXCLUDE_OPT,
     option: list[str] = typer.Option([], "-O", "--option", help="Method setting KEY=VALUE, e.g. -O act_order=true (see `compress methods`)."),
@@ -192,6 +196,7 @@ def prune(
     calib: Optional[Path] = CALIB_OPT,
     samples: int = SAMPLES_OPT,
     seq_len: int = SEQ_LEN_OPT,
+    activation_memory: Optional[str] = ACTIVATION_MEMORY_OPT,
     include: list[str] = typer.Option([], "--include", help="Regex of layer names to prune (replaces the default: all block linears)."),
     exclude: list[str] = EXCLUDE_OPT,
     option: list[str] = typer.Option([], "-O", "--option", help="Method setting KEY=VALUE, e.g. -O bits=4 (see `compress methods`)."),

@@ -10,6 +10,10 @@ OUTPUT_OPT = typer.Option(..., "-o", "--output", help="Output directory (written
 CALIB_OPT = typer.Option(None, "--calib", help="Calibration text: file, folder or saved dataset.")
 SAMPLES_OPT = typer.Option(128, "--samples", help="Calibration samples.")
 SEQ_LEN_OPT = typer.Option(512, "--seq-len", help="Tokens per calibration sample.")
+ACTIVATION_MEMORY_OPT = typer.Option(
+    None, "--activation-memory",
+    help="Keep at most this much of a block's calibration inputs in memory (e.g. 4GB); the rest wait on disk next to the output.",
+)
 EXCLUDE_OPT = typer.Option([], "--exclude", help="Regex of layer names to leave alone.")
 EVAL_TEXT_OPT = typer.Option(None, "--eval-text", help="Afterwards, measure ppl and KLD vs the input on this text.")
 OVERWRITE_OPT = typer.Option(False, "--overwrite", help="Replace an existing output directory.")

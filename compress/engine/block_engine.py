@@ -21,6 +21,7 @@ import dataclasses
 import logging
 import resource
 import time
+from pathlib import Path
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
@@ -35,7 +36,8 @@ from compress.formats.base import PackedLayer, PackFormat, has_trivial_g_idx
 from compress.engine.journal import BlockJournal
 from compress.engine.methods.base import LayerOutcome, LayerReport, Method
 from compress.engine.ranks import Ranks, Replay
-from compress.engine.passes import InputCatcher, StopForward, forward_groups, run_block, run_until_called, split_hidden
+from compress.engine.activations import Activations
+from compress.engine.passes import InputCatcher, StopForward, forward_groups, propagate, run_block, run_until_called, split_hidden
 from compress.checkpoints.model_io import ModelHandle, get_weight, is_conv1d
 from compress.engine.statistics import StatsCollector
 
@@ -124,14 +126,19 @@ class Engine:
         observer: BlockObserver | None = None,
         all_experts: bool = True,
         ranks: Ranks | None = None,
+        activation_memory: int | None = None,
+        scratch: Path | None = None,
     ):
         """``packer``: the output format that writes each quantized layer's codes (None: dense weights).
         ``keep_final_hidden``: return the compressed last block's outputs on the calibration data (the
         output layer's inputs, before the final norm), for a caller calibrating the output layer.
         ``observer``: watches every compressed block's run on the calibration data (e.g. the KV-cache
         statistics); with one, calibration inputs are captured even if no method needs them.
-        ``ranks``: the processes sharing this run (default: this one alone)."""
+        ``ranks``: the processes sharing this run (default: this one alone). ``activation_memory``: bytes of
+        block inputs kept in memory, the rest in a file in ``scratch`` (default: all in memory)."""
         self.handle = handle
+        self.activation_memory = activation_memory
+        self.scratch = scratch
         self.ranks = ranks or Ranks()
         self.observer = observer
         self.all_experts = all_experts  # MoE: calibrate every expert on every token (outputs stay routed)
@@ -177,14 +184,18 @@ class Engine:
             )
 
     # -- 1. inputs of block 0 -------------------------------------------------------------------
-    def capture_inputs(self, calibration: torch.Tensor) -> list[tuple[torch.Tensor, tuple, dict]]:
+    def new_activations(self) -> Activations:
+        """An empty store for one block's calibration inputs, under the run's memory budget."""
+        return Activations(self.activation_memory, self.scratch)
+
+    def capture_inputs(self, calibration: torch.Tensor) -> Activations:
         handle, base = self.handle, self.handle.base_model
         outer = set(handle.non_block_parameters(base))
         # Materialize the base model's weights outside the blocks (embeddings, positions, norms).
         handle.materialize(base, handle.base_prefix, self.device, self.dtype, only=outer)
         catcher = InputCatcher(handle.blocks[0])
         handle.blocks[0] = catcher
-        inputs = []
+        inputs = self.new_activations()
         batches = calibration.split(self.batch_size)
         try:
             with torch.inference_mode():
@@ -194,7 +205,7 @@ class Engine:
                     except StopForward:
                         pass
                     args, kwargs = catcher.calls.pop()
-                    inputs.append(split_hidden(args, kwargs))
+                    inputs.append(*split_hidden(args, kwargs))
                     self.progress("calibration", i + 1, len(batches))
         finally:
             handle.blocks[0] = catcher.inner
@@ -204,6 +215,13 @@ class Engine:
     # -- 2. blocks --------------------------------------------------------------------------------
     def _run_block(self, block: nn.Module, inputs) -> list[torch.Tensor]:
         return run_block(block, inputs)
+
+    def _propagate(self, block: nn.Module, inputs: Activations) -> Activations:
+        """The next block's inputs: ``block``'s outputs on ``inputs`` (whose disk copy goes)."""
+        outputs = self.new_activations()
+        propagate(block, inputs, outputs)
+        inputs.close()
+        return outputs
 
     def _run_until_called(self, block: nn.Module, inputs, layers: dict[str, nn.Module]) -> None:
         run_until_called(block, inputs, layers)
@@ -313,7 +331,7 @@ class Engine:
         if resumed is not None:
             first, inputs, result.layers = resumed
         else:
-            first, inputs = 0, self.capture_inputs(self.ranks.local_share(calibration)) if self.needs_data else []
+            first, inputs = 0, self.capture_inputs(self.ranks.local_share(calibration)) if self.needs_data else self.new_activations()
         blocks = self.handle.blocks
         for i in range(first, len(blocks)):
             block, name = blocks[i], self._block_names[i]
@@ -321,10 +339,9 @@ class Engine:
             result.layers += self._compress_block(i, inputs)
             if self.needs_data and (i + 1 < len(blocks) or self.keep_final_hidden or self.observer is not None):
                 with self.observer.watch(name, block) if self.observer is not None else nullcontext():
-                    outputs = self._run_block(block, inputs)
+                    inputs = self._propagate(block, inputs)
                 if self.observer is not None:
                     self.observer.combine(self.ranks)
-                inputs = [(out, args, kwargs) for out, (_, args, kwargs) in zip(outputs, inputs)]
             self._write_block(writer, name, block, original)
             self.handle.release(block)
             if journal is not None:
@@ -333,6 +350,7 @@ class Engine:
         result.layers += self._write_outer(writer)
         if self.keep_final_hidden and self.needs_data:
             result.final_hidden = [h for h, _, _ in inputs]
+        inputs.close()
         result.blocks = len(blocks)
         result.seconds = time.perf_counter() - start
         result.peak_rss_bytes = peak_rss_bytes()

@@ -6,10 +6,13 @@ layers written packed (for the format's config) and what the methods and the blo
 the blocks (``learned_state``: e.g. static input scales, KV-cache maxima). They go to ``.progress/``::
 
     progress.json       {"block": 3, "fingerprint": {...}, "writer": {ShardedWriter.state()}, "state": "state-3.pt"}
-    state-3.pt          torch.save of inputs, reports, packed layers and learned state
+    state-3.pt          torch.save of the reports, packed layers, learned state and the inputs' batch count
+    inputs-3/0.pt ...   torch.save of each calibration batch's inputs (one at a time: the run's
+                        ``--activation-memory`` budget holds while they are written and read back)
 
-``state-N.pt`` is written first, then ``progress.json`` is replaced atomically, then the previous state file
-is removed, so a kill at any point leaves a record that names a complete state file. The fingerprint is the
+``inputs-N/`` (written as ``inputs-N.partial/`` and renamed) and ``state-N.pt`` are written first, then
+``progress.json`` is replaced atomically, then the previous block's files are removed, so a kill at any point
+leaves a record that names complete files. After the last block no inputs are kept: nothing runs on them. The fingerprint is the
 run's settings, the model's file digests and the calibration tokens' digest: a resumed run with another one
 is refused, naming the first difference. `restore` puts the engine, its methods and the writer back where
 the record was taken; the engine then continues with the next block and ends with the same bytes as a run
@@ -37,7 +40,7 @@ from compress.quantizers.grid import QuantScheme
 
 log = logging.getLogger(__name__)
 
-RECORD_VERSION = 1
+RECORD_VERSION = 2  # 2: inputs in a folder of per-batch files
 # the only classes a state file may hold besides tensors and containers (torch.load weights_only)
 SAFE_CLASSES = [PackedLayer, QuantScheme, FloatScheme, FloatFormat, FloatGrid, LayerReport]
 
@@ -120,6 +123,9 @@ class BlockJournal:
         try:
             with torch.serialization.safe_globals(SAFE_CLASSES):
                 state = torch.load(self.root / record["state"], map_location=engine.device, weights_only=True)
+                inputs = engine.new_activations()
+                for batch in range(state["batches"]):
+                    inputs.append(*torch.load(self.root / state["inputs"] / f"{batch}.pt", map_location=engine.device, weights_only=True))
         except Exception as exc:  # noqa: BLE001 - unpickling fails in many types; the record is then useless
             raise CompressError(
                 f"--resume: {self.root / record['state']} is unreadable ({type(exc).__name__}): remove {self.root.parent} and run without --resume"
@@ -130,23 +136,30 @@ class BlockJournal:
             for name, value in learned.items():
                 setattr(learner, name, value)
         log.info("resuming after block %d of %d", record["block"] + 1, len(engine.handle.blocks))
-        return record["block"] + 1, state["inputs"], state["layers"]
+        return record["block"] + 1, inputs, state["layers"]
 
     def block_done(self, index: int, engine, writer, inputs: list, layers: list[LayerReport]) -> None:
         """Record that blocks up to ``index`` are written; ``inputs`` are the next block's."""
         learned = [{name: getattr(obj, name) for name in getattr(obj, "learned_state", ()) if hasattr(obj, name)} for obj in _learners(engine)]
-        name = f"state-{index}.pt"
+        name, folder = f"state-{index}.pt", f"inputs-{index}"
+        kept = inputs if index + 1 < len(engine.handle.blocks) else []  # after the last block nothing runs on them
+        partial = self.root / f"{folder}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir()
+        for batch, entry in enumerate(kept):
+            torch.save(entry, partial / f"{batch}.pt")
+        os.replace(partial, self.root / folder)
         partial = self.root / f"{name}.partial"
-        torch.save({"inputs": inputs, "layers": layers, "packed": dict(engine.packed), "learned": learned}, partial)
+        torch.save({"inputs": folder, "batches": len(kept), "layers": layers, "packed": dict(engine.packed), "learned": learned}, partial)
         os.replace(partial, self.root / name)
         record = {"version": RECORD_VERSION, "block": index, "blocks": len(engine.handle.blocks), "state": name,
                   "writer": writer.state(), "fingerprint": self.fingerprint}
         partial = self.root / f"{PROGRESS_RECORD}.partial"
         partial.write_text(json.dumps(record) + "\n")
         os.replace(partial, self.root / PROGRESS_RECORD)
-        for old in self.root.glob("state-*.pt"):
-            if old.name != name:
-                old.unlink()
+        for old in [*self.root.glob("state-*.pt"), *self.root.glob("inputs-*")]:
+            if old.name not in (name, folder):
+                shutil.rmtree(old) if old.is_dir() else old.unlink()
 
     def remove(self) -> None:
         """The run's blocks are all written: the record goes (it must not be part of the output)."""

@@ -54,6 +54,14 @@ def run_block(block: nn.Module, inputs) -> list[torch.Tensor]:
         return [block_output(block(h, *args, **kwargs)) for h, args, kwargs in inputs]
 
 
+def propagate(block: nn.Module, inputs, into) -> None:
+    """Append ``block``'s output for each calibration batch to ``into`` (`Activations`), with the batch's other
+    arguments: the next block's inputs, produced one batch at a time."""
+    with torch.inference_mode():
+        for h, args, kwargs in inputs:
+            into.append(block_output(block(h, *args, **kwargs)), args, kwargs)
+
+
 def run_until_called(block: nn.Module, inputs, layers: dict[str, nn.Module]) -> None:
     """Run ``block`` on every calibration batch only until each of ``layers`` has been called: nothing
     after their last call can change their inputs, so a statistics pass for q/k/v stops before the

@@ -115,7 +115,8 @@ def export_calibrated(
             head = FINAL_NORMS[handle.config.model_type]
     ranks = Ranks.from_environment(device)  # under a launcher: data-parallel calibration, weight-parallel solves
     engine = Engine(handle, stages, device, batch_size=calibration.batch_size, progress=progress, keep_final_hidden=head is not None,
-                    ranks=ranks)
+                    ranks=ranks, activation_memory=calibration.activation_memory,
+                    scratch=config.output.parent if config.output.parent.is_dir() else None)
     windows = load_calibration(
         calibration.path, load_tokenizer(config.model), calibration.samples, calibration.seq_len, calibration.seed
     )
