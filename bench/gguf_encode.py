@@ -1,10 +1,10 @@
 """Encoding speed of our GGUF k-quant encoders next to llama.cpp's quantizer, on the same F16 file.
 
-    python bench/gguf_encode.py [--model eval/assets/reference-llama] [--types q4_k q6_k] [--threads 1]
+    python bench/gguf_encode.py [--model eval/assets/reference-llama] [--types q4_k q6_k q8_0] [--threads 1]
 
 Writes the model as an F16 GGUF with our exporter, then
 - ours: every 2-D F16 tensor of that file, read with gguf-py, encoded with `encode_tensor`
-  (the codec time only, numpy, one process);
+  (the codec time only, one process pinned to ``--threads`` CPUs, torch limited to as many threads);
 - llama.cpp: ``llama_model_quantize`` (llama-cpp-python) of the same file with ``pure`` set, so every
   matrix gets the type, with ``--threads`` threads (wall time of the call, file I/O included).
 Speed is F16 megabytes in per second. Also checks that both wrote the same bytes.
@@ -25,7 +25,7 @@ from compress.formats.gguf.plan import FILE_TYPE, Target
 from compress.formats.gguf.sizes import GGMLType
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = {"q4_k": GGMLType.Q4_K, "q6_k": GGMLType.Q6_K, "q5_k": GGMLType.Q5_K, "q3_k": GGMLType.Q3_K, "q2_k": GGMLType.Q2_K}
+KINDS = {"q8_0": GGMLType.Q8_0, "q4_k": GGMLType.Q4_K, "q6_k": GGMLType.Q6_K, "q5_k": GGMLType.Q5_K, "q3_k": GGMLType.Q3_K, "q2_k": GGMLType.Q2_K}
 
 
 def f16_matrices(path: Path) -> list[tuple[str, np.ndarray]]:
@@ -55,8 +55,15 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=REPO / "eval" / "assets" / "reference-llama")
     ap.add_argument("--types", nargs="+", default=["q4_k", "q6_k"], choices=sorted(KINDS))
-    ap.add_argument("--threads", type=int, default=1, help="llama.cpp quantize threads")
+    ap.add_argument("--threads", type=int, default=1, help="CPUs for ours and llama.cpp quantize threads")
     args = ap.parse_args()
+    import os
+
+    import torch
+
+    if hasattr(os, "sched_setaffinity"):  # encode_tensor runs as many workers as the CPUs it may use
+        os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
+    torch.set_num_threads(args.threads)
     from gguf import GGUFReader
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -36,7 +36,8 @@ import torch
 from compress.formats.gguf import grids
 from compress.formats.gguf.codecs import decode_tensor, encode_tensor
 from compress.formats.gguf.sizes import GGMLType
-from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, layer_error, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, proxy_loss, solver_inputs
+from compress.quantizers.threads import one_thread
 
 
 @dataclass(frozen=True)
@@ -61,41 +62,40 @@ class GGUFQuantResult:
     stats: dict = field(default_factory=dict)
 
 
-def _round_block(W1: torch.Tensor, Err1: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.BlockGrid) -> np.ndarray:
-    """Round the block of columns ``b:b+B`` of the lazy batch ``W1`` on ``grid`` column by column, feeding
-    each error into the batch's later columns (``W1`` and ``Err1`` updated in place). Returns the codes
-    ``[rows, B]``. (Refitting the grid to the values the columns had when rounded, and rounding again,
-    was tried: no consistent gain, Q2_K and Q4_K got worse.) The column loop runs in numpy on views of
-    the tensors: torch's threaded kernels made these small per-column steps 10x slower on 2 cores."""
-    W, E, U = W1.numpy(), Err1.numpy(), U1.numpy()
-    step, offset = grid.step, grid.offset
-    safe_step = np.where(step == 0, np.float32(1), step)
-    bounds = None if grid.levels is None else grids.midpoints(grid.levels)
-    rows, B = step.shape
-    codes = np.empty((rows, B), dtype=np.int32)
-    for c in range(B):
+def _round_block(W1t: torch.Tensor, Err1t: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.BlockGrid) -> np.ndarray:
+    """Round the block of columns ``b:b+B`` of the lazy batch on ``grid`` column by column, feeding each
+    error into the batch's later columns. The batch is held transposed, ``W1t``/``Err1t`` ``[batch, rows]``
+    (updated in place), so that each column and each error-feedback update is contiguous. Returns the
+    codes ``[rows, B]``. (Refitting the grid to the values the columns had when rounded, and rounding
+    again, was tried: no consistent gain, Q2_K and Q4_K got worse.) Run inside `one_thread`: small steps."""
+    step, offset = torch.from_numpy(np.ascontiguousarray(grid.step.T)), torch.from_numpy(np.ascontiguousarray(grid.offset.T))
+    dead = step == 0
+    safe_step = torch.where(dead, 1.0, step)
+    bounds = None if grid.levels is None else torch.from_numpy(grids.midpoints(grid.levels))
+    levels = None if grid.levels is None else torch.from_numpy(grid.levels)
+    codes = torch.empty(step.shape, dtype=torch.int32)  # [B, rows]
+    for c in range(step.shape[0]):
         i = b + c
-        w = W[:, i]
-        t = (w + offset[:, c]) / safe_step[:, c]
+        w = W1t[i]
+        t = (w + offset[c]) / safe_step[c]
         if bounds is None:  # affine grid: the code is the level
-            q = np.where(step[:, c] == 0, grid.lo, np.clip(np.rint(t), grid.lo, grid.hi))
-            level = q
+            level = torch.where(dead[c], float(grid.lo), t.round_().clamp_(grid.lo, grid.hi))
+            codes[c] = level
         else:  # codebook: the nearest level (ties up, as ggml); any code where the step is 0
-            index = np.searchsorted(bounds, t, side="right")
-            q, level = index + grid.lo, grid.levels[index]
-        err = (w - (step[:, c] * level - offset[:, c])) / U[i, i]
-        W[:, i + 1 :] -= err[:, None] * U[i, i + 1 :]
-        E[:, i] = err
-        codes[:, c] = q
-    return codes
+            index = torch.searchsorted(bounds, t, right=True)
+            codes[c], level = index + grid.lo, levels[index]
+        err = (w - (step[c] * level - offset[c])) / U1[i, i]
+        W1t[i + 1 :].addr_(U1[i, i + 1 :], err, alpha=-1)
+        Err1t[i] = err
+    return codes.T.numpy()
 
 
-def _round_lattice_block(W1: torch.Tensor, Err1: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.LatticeGrid):
+def _round_lattice_block(W1t: torch.Tensor, Err1t: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.LatticeGrid):
     """`_round_block` for a lattice type: each group of ``grid.group`` columns is rounded jointly (every
     row's signs are its weights', its point the codebook entry nearest ``|w|/step`` with each column's
     distance weighted by ``1/U_ii²``, GPTQ's weight of a column's error), then the group's columns feed their
     errors forward one by one. Returns (points ``[rows, B/group]``, negative ``[rows, B]``)."""
-    W, E, U = W1.numpy(), Err1.numpy(), U1.numpy()
+    Wt, Et, U = W1t.numpy(), Err1t.numpy(), U1.numpy()  # the batch transposed, as in `_round_block`
     step, points = grid.step, grid.points
     rows, B = step.shape
     g = grid.group
@@ -103,7 +103,7 @@ def _round_lattice_block(W1: torch.Tensor, Err1: torch.Tensor, U1: torch.Tensor,
     negative = np.empty((rows, B), dtype=bool)
     for k in range(B // g):
         cols = slice(b + k * g, b + (k + 1) * g)
-        w, s = W[:, cols], step[:, k * g : (k + 1) * g]
+        w, s = Wt[cols].T, step[:, k * g : (k + 1) * g]
         magnitude = np.where(s > 0, np.abs(w) / np.where(s > 0, s, np.float32(1)), np.float32(0))
         omega = np.float32(1) / np.square(np.diagonal(U)[cols])
         # Σ ω (m − p)² up to the rows' constant Σ ω m²: [rows, P]
@@ -113,9 +113,9 @@ def _round_lattice_block(W1: torch.Tensor, Err1: torch.Tensor, U1: torch.Tensor,
         q = (s * points[chosen[:, k]]) * np.where(w < 0, np.float32(-1), np.float32(1))
         for c in range(g):
             i = cols.start + c
-            err = (W[:, i] - q[:, c]) / U[i, i]
-            W[:, i + 1 :] -= err[:, None] * U[i, i + 1 :]
-            E[:, i] = err
+            err = (Wt[i] - q[:, c]) / U[i, i]
+            Wt[i + 1 :] -= U[i, i + 1 :, None] * err[None, :]
+            Et[i] = err
     return chosen, negative
 
 
@@ -146,23 +146,26 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
     blocks: list[np.ndarray] = []  # packed bytes [rows, type_size] of each block column, in order
     for i1 in range(0, cols, batch):
         i2 = min(i1 + batch, cols)
-        W1, U1 = W[:, i1:i2].clone(), U[i1:i2, i1:i2]
-        Err1 = torch.zeros_like(W1)
+        W1t, U1 = W[:, i1:i2].T.contiguous(), U[i1:i2, i1:i2]  # [batch, rows]: a column per row
+        Err1t = torch.zeros_like(W1t)
         for b in range(0, i2 - i1, B):
             qw = None if importance is None else np.broadcast_to(importance[i1 + b : i1 + b + B], (rows, B))
-            grid = grids.fit(kind, W1[:, b : b + B].numpy(), qw, row_sigma2)
+            grid = grids.fit(kind, W1t[b : b + B].T.numpy(), qw, row_sigma2)
             if isinstance(grid, grids.LatticeGrid):
-                blocks.append(grids.pack_lattice(grid, *_round_lattice_block(W1, Err1, U1, b, grid)))
+                blocks.append(grids.pack_lattice(grid, *_round_lattice_block(W1t, Err1t, U1, b, grid)))
             else:
-                blocks.append(grids.pack(grid, _round_block(W1, Err1, U1, b, grid)))
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
+                with one_thread(W1t.device):
+                    blocks.append(grids.pack(grid, _round_block(W1t, Err1t, U1, b, grid)))
+        W[:, i2:] -= Err1t.T @ U[i1:i2, i2:]  # lazy batch update of all later columns
 
     data = np.concatenate(blocks, axis=1)
     Q = torch.from_numpy(decode_tensor(data, kind, cols))
-    error, rel = layer_error(weight.detach().cpu(), Q, hessian.detach().cpu())
-    rtn = torch.from_numpy(decode_tensor(encode_tensor(weight.detach().float().cpu().numpy(), kind), kind, cols))
+    W0, H0 = weight.detach().cpu().float(), hessian.detach().cpu().float()
+    rtn = torch.from_numpy(decode_tensor(encode_tensor(W0.numpy(), kind), kind, cols))
+    # `layer_error` for both, with tr(W H Wᵀ) computed once
+    base, error, rtn_error = (proxy_loss(d, H0) for d in (W0, W0 - Q, W0 - rtn))
     stats = {
-        "error": error, "rel_error": rel, "rtn_rel_error": layer_error(weight.detach().cpu(), rtn, hessian.detach().cpu())[1],
+        "error": error, "rel_error": error / base if base > 0 else 0.0, "rtn_rel_error": rtn_error / base if base > 0 else 0.0,
         "damp": damp, "damp_retries": retries, "dead_columns": int(dead.sum()),
     }
     return GGUFQuantResult(Q.to(weight.device), data, kind, stats)

@@ -13,6 +13,7 @@ llama.cpp's imatrix mode.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 # ggml's GROUP_MAX_EPS: a group whose largest |x| is below this is all zeros.
 GROUP_MAX_EPS = np.float32(1e-15)
@@ -45,10 +46,30 @@ def safe_reciprocal(x: np.ndarray) -> np.ndarray:
         return np.where(x == 0, F32(0), F32(1) / np.where(x == 0, F32(1), x)).astype(F32)
 
 
+def as_torch(x: np.ndarray) -> torch.Tensor:
+    """A float32 torch view of ``x`` (copied only if not already contiguous float32)."""
+    return torch.from_numpy(np.ascontiguousarray(x, dtype=F32))
+
+
+def row_max(x: np.ndarray) -> np.ndarray:
+    """Largest entry of each row ``[..., 1]`` (torch's row reductions are several times numpy's)."""
+    return as_torch(x).amax(-1, keepdim=True).numpy()
+
+
+def row_min(x: np.ndarray) -> np.ndarray:
+    return as_torch(x).amin(-1, keepdim=True).numpy()
+
+
 def signed_absmax(x: np.ndarray) -> np.ndarray:
-    """The entry of largest magnitude in each row, with its sign (first one on ties), ``[N, 1]``."""
-    idx = np.abs(x).argmax(axis=-1)[..., None]
-    return np.take_along_axis(x, idx, axis=-1)
+    """The entry of largest magnitude in each row, with its sign (first one on ties; +0 for a zero
+    row, as ggml's ``if (amax < ax)`` loops), ``[..., 1]``."""
+    hi, lo = row_max(x), row_min(x)
+    top = np.where(hi >= -lo, hi, lo) + F32(0)  # + 0 turns −0 into +0, nothing else
+    tie = np.flatnonzero((hi == -lo) & (hi > 0))
+    if tie.size:  # both +a and −a: whichever comes first
+        rows = np.ascontiguousarray(x, dtype=F32).reshape(-1, x.shape[-1])[tie]
+        top.reshape(-1)[tie] = rows[np.arange(tie.size), np.abs(rows).argmax(axis=1)]
+    return top
 
 
 def _levels(v: np.ndarray, lo: int, hi: int) -> np.ndarray:
@@ -56,12 +77,19 @@ def _levels(v: np.ndarray, lo: int, hi: int) -> np.ndarray:
     return np.clip(np.rint(v), lo, hi, out=np.empty_like(v))
 
 
-def _running_sum(a: np.ndarray) -> np.ndarray:
-    """Sum over axis 0 left to right in float32, the order of ggml's scalar loops (``[n, N] -> [N]``);
-    numpy's pairwise sum differs in the last bit, enough to flip near-ties between candidate grids."""
+def _running_sum(a: np.ndarray, axis: int = 0, out: np.ndarray | None = None) -> np.ndarray:
+    """Sum over ``axis`` left to right in float32, the order of ggml's scalar loops (``[n, N] -> [N]``);
+    numpy's pairwise sum differs in the last bit, enough to flip near-ties between candidate grids.
+    numpy reduces a C-contiguous array over an axis that is not the last one slice by slice (a vector
+    add per slice); it sums pairwise only along the contiguous axis, i.e. when the slices are single values."""
+    if a.flags.c_contiguous and axis < a.ndim - 1 and a.shape[-1] > 1:
+        return np.add.reduce(a, axis=axis, out=out)
+    a = np.moveaxis(a, axis, 0)
     acc = a[0].copy()
     for row in a[1:]:
         acc += row
+    if out is not None:
+        out[...] = acc
     return acc
 
 
@@ -73,48 +101,73 @@ def make_qkx2_quants(
     Tries ``nstep+1`` inverse scales ``(nmax + rmin + rdelta·i)/(max − min)`` and refits scale and min
     by weighted least squares for each; as in ggml, ``min`` is the best fit's so far, so the candidates
     depend on the order they are tried in. Returns (scale [N], min [N] (≥ 0, subtracted), L [N, n]).
-    Works on transposed ``[n, N]`` copies so the running sums walk contiguous rows.
+    The weights sit transposed, ``[n, N]``, so each sum is one numpy reduction over rows (`_running_sum`);
+    the elementwise work runs in place in torch (faster than numpy at one thread), the per-group
+    bookkeeping in numpy, and the winner's rounding is redone once at the end from its (iscale, min).
     """
-    x = np.ascontiguousarray(x.astype(F32, copy=False).T)
-    w = np.ascontiguousarray(w.astype(F32, copy=False).T)
+    n, groups = x.shape[1], x.shape[0]
+    lx = np.empty((2, n, groups), dtype=F32)  # [L, x]: w·L times this gives w·L², w·L·x in one op
+    lx[1] = x.T
+    x, w = lx[1], np.ascontiguousarray(w.astype(F32, copy=False).T)
     lo = np.minimum(x.min(axis=0), F32(0))
     hi = x.max(axis=0)
     flat = hi == lo
-    sum_w = _running_sum(w)
-    sum_x = _running_sum(w * x)
+    # any non-zero span serves a flat group (its codes are all 0 whatever the scale; ggml skips it)
+    top = np.where(flat, lo + F32(1), hi)
+    terms = np.empty((3, n, groups), dtype=F32)  # per weight: w·L, w·L², w·L·x
+    terms[0] = w
+    np.multiply(w, x, out=terms[1])
+    sum_w, sum_x = _running_sum(terms[:2], axis=1)
+    lx_t, terms_t = torch.from_numpy(lx), torch.from_numpy(terms)
+    levels, xt, wt = lx_t[0], lx_t[1], torch.from_numpy(w)
+    wl, wl_times = terms_t[0], terms_t[1:]
 
-    def error(scale, offset, levels):
-        diff = scale * levels + offset - x
-        return _running_sum(w * (np.abs(diff) if use_mad else diff * diff))
+    def round_levels(iscale, offset):  # torch [N] rows -> levels [n, N]
+        return torch.sub(xt, offset, out=levels).mul_(iscale).round_().clamp_(0, nmax)
 
-    iscale = F32(nmax) / np.where(flat, F32(1), hi - lo)
-    levels = np.clip(np.rint(iscale * (x - lo)), 0, nmax)
-    scale = F32(1) / iscale
-    best = error(scale, lo, levels)
-    offset = lo.copy()
+    def error(scale, offset, out):  # (the w·L row is free by now)
+        d = torch.mul(levels, scale, out=wl).add_(offset).sub_(xt)
+        d.abs_() if use_mad else d.mul_(d)
+        return _running_sum(d.mul_(wt).numpy(), out=out)
+
+    # the search state, overwritten where a trial wins: its inverse scale and the min it rounded with,
+    # its error, the fitted scale and the fitted min (the min the next trials round with)
+    state = np.empty((5, groups), dtype=F32)
+    trial = np.empty_like(state)
+    state_t, trial_t = torch.from_numpy(state), torch.from_numpy(trial)
+    best_iscale, best_offset, best, scale, offset = state
+    iscale, used_offset, cur, this_scale, this_min = trial
+    iscale_t, used_offset_t, _, this_scale_t, this_min_t = trial_t
+    np.divide(F32(nmax), top - lo, out=iscale)
+    used_offset[...] = lo
+    np.divide(F32(1), iscale, out=this_scale)
+    this_min[...] = lo
+    round_levels(iscale_t, used_offset_t)
+    error(this_scale_t, used_offset_t, out=cur)
+    state[...] = trial
+    sums = np.empty((3, groups), dtype=F32)
+    sum_l, sum_l2, sum_xl = sums
+    tops = [F32(rmin) + F32(rdelta) * F32(step) + F32(nmax) for step in range(nstep + 1)]
     with np.errstate(divide="ignore", invalid="ignore"):
-        for step in range(nstep + 1):
-            iscale = (F32(rmin) + F32(rdelta) * F32(step) + F32(nmax)) / np.where(flat, F32(1), hi - offset)
-            trial = np.clip(np.rint(iscale * (x - offset)), 0, nmax)
-            wl = w * trial
-            sum_l = _running_sum(wl)
-            sum_l2 = _running_sum(wl * trial)
-            sum_xl = _running_sum(wl * x)
+        for numerator in tops:
+            np.subtract(top, offset, out=iscale)
+            np.divide(numerator, iscale, out=iscale)
+            np.copyto(used_offset, offset)
+            round_levels(iscale_t, used_offset_t)
+            torch.mul(wt, levels, out=wl)
+            torch.mul(wl, lx_t, out=wl_times)
+            _running_sum(terms, axis=1, out=sums)
             det = sum_w * sum_l2 - sum_l * sum_l
-            this_scale = (sum_w * sum_xl - sum_x * sum_l) / det
-            this_min = (sum_l2 * sum_x - sum_l * sum_xl) / det
+            np.divide(sum_w * sum_xl - sum_x * sum_l, det, out=this_scale)
+            np.divide(sum_l2 * sum_x - sum_l * sum_xl, det, out=this_min)
             positive = this_min > 0
-            this_scale = np.where(positive, sum_xl / sum_l2, this_scale)
-            this_min = np.where(positive, F32(0), this_min)
-            cur = error(this_scale, this_min, trial)
-            better = (det > 0) & (cur < best)
-            levels = np.where(better, trial, levels)
-            best = np.where(better, cur, best)
-            scale = np.where(better, this_scale, scale)
-            offset = np.where(better, this_min, offset)
-    scale = np.where(flat, F32(0), scale).astype(F32)
-    levels = np.where(flat, F32(0), levels)
-    return scale, (-offset).astype(F32), np.ascontiguousarray(levels.T).astype(np.int32)
+            np.divide(sum_xl, sum_l2, out=this_scale, where=positive)
+            np.copyto(this_min, F32(0), where=positive)
+            error(this_scale_t, this_min_t, out=cur)
+            torch.where(torch.from_numpy((det > 0) & (cur < best)), trial_t, state_t, out=state_t)
+    codes = round_levels(torch.from_numpy(best_iscale), torch.from_numpy(best_offset)).numpy()
+    codes = np.where(flat, F32(0), codes)
+    return np.where(flat, F32(0), scale), -offset, np.ascontiguousarray(codes.T).astype(np.int32)
 
 
 def make_qx_quants(x: np.ndarray, nmax: int, weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
@@ -123,6 +176,7 @@ def make_qx_quants(x: np.ndarray, nmax: int, weights: np.ndarray | None = None) 
     Weights default to x² (rmse_type 1). Searches 18 inverse scales ``−(nmax + 0.1·i)/max`` around
     the plain one and keeps the least-squares scale of the best. Returns scale ``[N]`` (signed) and
     the codes ``L + nmax`` of the chosen rounding ``[N, n]`` (all 0 for an all-zero group).
+    Transposed ``[n, N]`` with the elementwise work in torch, as `make_qkx2_quants`.
     """
     x = x.astype(F32, copy=False)
     w = x * x if weights is None else weights.astype(F32, copy=False)
@@ -130,29 +184,42 @@ def make_qx_quants(x: np.ndarray, nmax: int, weights: np.ndarray | None = None) 
     empty = np.abs(top) < GROUP_MAX_EPS
     top = np.where(empty, F32(1), top)
 
-    xt, wt = np.ascontiguousarray(x.T), np.ascontiguousarray(w.T)
+    groups, n = x.shape
+    xt = torch.from_numpy(np.ascontiguousarray(x.T))
+    w_wx = torch.empty((2, n, groups), dtype=torch.float32)  # [w·x, w]: times L gives w·x·L and w·L
+    w_wx[1] = torch.from_numpy(w.T)
+    torch.mul(w_wx[1], xt, out=w_wx[0])
+    levels = torch.empty_like(xt)
+    terms = np.empty((2, n, groups), dtype=F32)  # per weight: w·x·L, w·L²
+    terms_t = torch.from_numpy(terms)
 
-    def fit(iscale):
-        levels = np.clip(np.rint(iscale * xt), -nmax, nmax - 1)
-        wx = wt * xt
-        return _running_sum(wx * levels), _running_sum(wt * levels * levels)
+    def fit(iscale, out):  # the sums Σw·x·L, Σw·L² of the rounding at ``iscale``, into out [2, N]
+        torch.mul(xt, torch.from_numpy(iscale), out=levels).round_().clamp_(-nmax, nmax - 1)
+        torch.mul(w_wx, levels, out=terms_t)[1].mul_(levels)
+        return _running_sum(terms, axis=1, out=out)
 
-    chosen = F32(-nmax) / top
-    sumlx, suml2 = fit(chosen)
+    steps = np.array([s for s in range(-9, 10) if s != 0], dtype=F32)
+    state = np.empty((3, groups), dtype=F32)  # the best trial's scale, Σ(w·x·L)·scale, inverse scale
+    trial = np.empty_like(state)
+    state_t, trial_t = torch.from_numpy(state), torch.from_numpy(trial)
+    scale, best, chosen = state
+    sums = np.empty((2, groups), dtype=F32)
+    slx, sl2 = sums
     with np.errstate(divide="ignore", invalid="ignore"):
-        scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
-        best = scale * sumlx
-        for step in range(-9, 10):
-            if step == 0:
-                continue
-            iscale = -(F32(nmax) + F32(0.1) * F32(step)) / top
-            slx, sl2 = fit(iscale)
+        np.divide(F32(-nmax), top, out=chosen)
+        fit(chosen, out=sums)
+        np.copyto(scale, np.where(sl2 > 0, slx / sl2, F32(0)))
+        np.multiply(scale, slx, out=best)
+        for iscale in -(F32(nmax) + F32(0.1) * steps)[:, None] / top:
+            fit(iscale, out=sums)
             better = (sl2 > 0) & (slx * slx > best * sl2)
-            scale = np.where(better, slx / sl2, scale)
-            best = np.where(better, scale * slx, best)
-            chosen = np.where(better, iscale, chosen)
-    codes = np.clip(nearest_int(chosen[:, None] * x), -nmax, nmax - 1) + nmax
-    return np.where(empty, F32(0), scale).astype(F32), np.where(empty[:, None], 0, codes)
+            np.divide(slx, sl2, out=trial[0])
+            np.multiply(trial[0], slx, out=trial[1])
+            trial[2] = iscale
+            torch.where(torch.from_numpy(better), trial_t, state_t, out=state_t)
+    codes = (as_torch(x) * torch.from_numpy(chosen)[:, None]).round_().clamp_(-nmax, nmax - 1).add_(nmax)
+    codes.masked_fill_(torch.from_numpy(empty)[:, None], 0)
+    return np.where(empty, F32(0), scale), codes.to(torch.int32).numpy()
 
 
 def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
@@ -160,38 +227,44 @@ def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
 
     Starts from plain rounding at ``−nmax/max`` and makes up to 5 passes of coordinate descent on
     the x²-weighted least-squares fit, element by element. Returns scale ``[N]`` (signed) and the
-    codes ``L + nmax`` ``[N, n]`` (all 0 for an all-zero group).
+    codes ``L + nmax`` ``[N, n]`` (all 0 for an all-zero group). Transposed (``[n, N]``: each element's
+    row contiguous); a pass that changes nothing would change nothing again, so each pass runs only
+    on the groups the previous one changed (ggml's early exit).
     """
     x = x.astype(F32, copy=False)
     top = signed_absmax(x)[:, 0]
     empty = np.abs(top) < GROUP_MAX_EPS
     iscale = F32(-nmax) / np.where(empty, F32(1), top)
-    levels = np.clip(nearest_int(iscale[:, None] * x), -nmax, nmax - 1).astype(F32)
-    w = x * x
-    sumlx = _running_sum(np.ascontiguousarray((w * x * levels).T))
-    suml2 = _running_sum(np.ascontiguousarray((w * levels * levels).T))
-    active = ~empty
-    with np.errstate(divide="ignore", invalid="ignore"):
+    xt = np.ascontiguousarray(x.T)
+    levels = np.clip(np.rint(iscale * xt), -nmax, nmax - 1)
+    w = xt * xt
+    wx = w * xt
+    sumlx = _running_sum(wx * levels)
+    suml2 = _running_sum(w * levels * levels)
+    moving = np.flatnonzero(~empty)
+    with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
         for _ in range(5):
-            changed = np.zeros(x.shape[0], dtype=bool)
-            for i in range(x.shape[1]):
-                xi, wi, li = x[:, i], w[:, i], levels[:, i]
-                slx = sumlx - wi * xi * li
-                sl2 = suml2 - wi * li * li
-                new = np.clip(nearest_int(xi * sl2 / slx), -nmax, nmax - 1).astype(F32)
-                slx_new = slx + wi * xi * new
-                sl2_new = sl2 + wi * new * new
-                take = (active & (slx > 0) & (new != li) & (sl2_new > 0)
-                        & (slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new))
-                levels[:, i] = np.where(take, new, li)
-                sumlx = np.where(take, slx_new, sumlx)
-                suml2 = np.where(take, sl2_new, suml2)
-                changed |= take
-            active &= changed
-            if not active.any():
+            if moving.size == 0:
                 break
+            xs, ws, wxs, ls = xt[:, moving], w[:, moving], wx[:, moving], levels[:, moving]
+            slx_all, sl2_all = sumlx[moving], suml2[moving]
+            changed = np.zeros(moving.size, dtype=bool)
+            for xi, wi, wxi, li in zip(xs, ws, wxs, ls):
+                slx = slx_all - wxi * li
+                sl2 = sl2_all - wi * li * li
+                new = np.clip(nearest_int(xi * sl2 / slx), -nmax, nmax - 1).astype(F32)
+                slx_new = slx + wxi * new
+                sl2_new = sl2 + wi * new * new
+                take = ((slx > 0) & (new != li) & (sl2_new > 0)
+                        & (slx_new * slx_new * sl2_all > slx_all * slx_all * sl2_new))
+                np.copyto(li, new, where=take)
+                slx_all = np.where(take, slx_new, slx_all)
+                sl2_all = np.where(take, sl2_new, sl2_all)
+                changed |= take
+            levels[:, moving], sumlx[moving], suml2[moving] = ls, slx_all, sl2_all
+            moving = moving[changed]
         scale = np.where(suml2 > 0, sumlx / suml2, F32(0))
-    codes = np.where(empty[:, None], 0, levels.astype(np.int32) + nmax)
+    codes = np.where(empty[:, None], 0, levels.T.astype(np.int32) + nmax)
     return np.where(empty, F32(0), scale).astype(F32), codes
 
 

@@ -24,8 +24,13 @@ CODECS: dict[GGMLType, ModuleType] = {
     m.KIND: m for m in (f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, iq3_s)
 }
 # Elements per encoding task: the solvers' temporaries stay in cache (measured fastest at 2^16 on
-# a 2-core machine; 2^23 was 1.9x slower), and tasks run on a thread pool since numpy releases the GIL.
+# a 2-core machine; 2^23 was 1.9x slower), and tasks run on a thread pool since numpy and torch release the GIL.
 CHUNK_ELEMENTS = 1 << 16
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on (its affinity: ``taskset``, a container's cpuset), else all."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
 def _functions(kind: GGMLType):
@@ -80,7 +85,7 @@ def encode_tensor(weight: np.ndarray, kind: GGMLType, importance: np.ndarray | N
     if len(starts) == 1:
         work(0)
     else:
-        with ThreadPoolExecutor(max_workers=min(len(starts), os.cpu_count() or 1)) as pool:
+        with ThreadPoolExecutor(max_workers=min(len(starts), _usable_cpus())) as pool:
             list(pool.map(work, starts))
     return out.reshape(w2.shape[0], -1)
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from compress.formats.gguf.codecs import CODECS
+from compress.formats.gguf.codecs import CHUNK_ELEMENTS, CODECS
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
 
 
@@ -92,12 +92,16 @@ def fit(
     if is_lattice(kind):
         grid = codec.fit_grid(blocks, None if importance is None else np.ascontiguousarray(importance, dtype=np.float32))
         return LatticeGrid(kind, grid, np.repeat(grid.scale(), blocks.shape[1] // grid.scale().shape[1], axis=1), codec.codebook())
-    if importance is not None and hasattr(codec, "encode_weighted"):
+    weighted = importance is not None and hasattr(codec, "encode_weighted")
+    if weighted:
         if row_sigma2 is None:
             row_sigma2 = np.mean(blocks * blocks, axis=1, keepdims=True, dtype=np.float32)
-        data = codec.encode_weighted(blocks, np.ascontiguousarray(importance, dtype=np.float32), row_sigma2)
-    else:
-        data = codec.encode(blocks)
+        importance = np.ascontiguousarray(importance, dtype=np.float32)
+    data = np.empty((blocks.shape[0], BLOCK_SIZES[kind][1]), dtype=np.uint8)
+    step = max(1, CHUNK_ELEMENTS // blocks.shape[1])  # the encoders' temporaries stay in cache
+    for start in range(0, blocks.shape[0], step):
+        part = slice(start, start + step)
+        data[part] = codec.encode_weighted(blocks[part], importance[part], row_sigma2[part]) if weighted else codec.encode(blocks[part])
     grid, _ = codec.unpack(data)
     lo, hi = codec.CODES
     zeros = np.zeros(blocks.shape, dtype=np.int8 if lo < 0 else np.uint8)

@@ -14,9 +14,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from compress.formats.gguf._common import (
-    F32, _running_sum, fp16_bytes, fp16_field, fp16_round, importance_weights, make_q3_quants, make_qx_quants,
+    F32, _running_sum, as_torch, fp16_bytes, fp16_field, fp16_round, importance_weights, make_q3_quants, make_qx_quants,
     mean_square, nearest_int, signed_absmax,
 )
 from compress.formats.gguf.q2_k import pack_crumbs, unpack_crumbs
@@ -57,10 +58,12 @@ def round_codes(blocks: np.ndarray, grid: SGrid, half: int = 4) -> np.ndarray:
     Q6_K shares this with ``half`` 32."""
     n = blocks.shape[0]
     step = grid.scale()[..., None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = nearest_int(blocks.reshape(n, 16, SUB) / np.where(step == 0, F32(1), step))
-    dead = half if grid.fallback is None else grid.fallback.reshape(n, 16, SUB)
-    return np.where(step == 0, dead, np.clip(q, -half, half - 1) + half).reshape(n, 256).astype(np.uint8)
+    dead = step == 0
+    q = as_torch(blocks).view(n, 16, SUB) / torch.from_numpy(np.where(dead, F32(1), step))
+    codes = q.round_().clamp_(-half, half - 1).add_(half).to(torch.uint8).numpy()
+    if dead.any():
+        codes = np.where(dead, half if grid.fallback is None else grid.fallback.reshape(n, 16, SUB), codes)
+    return codes.reshape(n, 256).astype(np.uint8)
 
 
 def pack_scales(sc: np.ndarray) -> np.ndarray:

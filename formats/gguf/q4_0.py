@@ -9,9 +9,10 @@ Shapes: blocks ``[N, 32]`` float32 <-> ``[N, 18]`` uint8.
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from compress.formats.gguf._common import (
-    F32, fp16_bytes, fp16_field, importance_weights, make_qx_quants, nibbles, safe_reciprocal, signed_absmax,
+    F32, as_torch, fp16_bytes, fp16_field, importance_weights, make_qx_quants, nibbles, safe_reciprocal, signed_absmax,
 )
 from compress.formats.gguf.sizes import GGMLType
 
@@ -26,7 +27,8 @@ def fit_grid(blocks: np.ndarray, nmax: int = 8) -> np.ndarray:
 
 def round_codes(blocks: np.ndarray, d: np.ndarray, nmax: int = 8) -> np.ndarray:
     """Codes in [0, 2·nmax − 1] for a given per-block scale (ggml rounds with the unrounded d)."""
-    return np.clip(np.trunc(blocks * safe_reciprocal(d) + F32(nmax + 0.5)), 0, 2 * nmax - 1).astype(np.uint8)
+    scaled = as_torch(blocks) * torch.from_numpy(safe_reciprocal(d))
+    return scaled.add_(F32(nmax + 0.5)).trunc_().clamp_(0, 2 * nmax - 1).to(torch.uint8).numpy()
 
 
 def weighted_fit(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray, nmax: int = 8) -> tuple[np.ndarray, np.ndarray]:

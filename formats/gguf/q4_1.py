@@ -8,9 +8,10 @@ Encoding follows ``quantize_row_q4_1_ref``: ``d = (max − min)/15``, ``q = min(
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from compress.formats.gguf._common import (
-    F32, fp16_bytes, fp16_field, importance_weights, make_qkx2_quants, nibbles, safe_reciprocal,
+    F32, as_torch, fp16_bytes, fp16_field, importance_weights, make_qkx2_quants, nibbles, row_max, row_min, safe_reciprocal,
 )
 from compress.formats.gguf.sizes import GGMLType
 
@@ -20,12 +21,13 @@ CODES = (0, 15)  # the weight is d·code + m
 
 def fit_grid(blocks: np.ndarray, nmax: int = 15) -> tuple[np.ndarray, np.ndarray]:
     """Per-block (d, min) before float16 storage, each ``[N, 1]`` (``nmax`` 15; Q5_1 shares this with 31)."""
-    lo = blocks.min(axis=1, keepdims=True)
-    return ((blocks.max(axis=1, keepdims=True) - lo) / F32(nmax)).astype(F32), lo
+    lo = row_min(blocks)
+    return ((row_max(blocks) - lo) / F32(nmax)).astype(F32), lo
 
 
 def round_codes(blocks: np.ndarray, d: np.ndarray, lo: np.ndarray, nmax: int = 15) -> np.ndarray:
-    return np.clip(np.trunc((blocks - lo) * safe_reciprocal(d) + F32(0.5)), 0, nmax).astype(np.uint8)
+    shifted = as_torch(blocks) - torch.from_numpy(np.ascontiguousarray(lo, dtype=F32))
+    return shifted.mul_(torch.from_numpy(safe_reciprocal(d))).add_(F32(0.5)).trunc_().clamp_(0, nmax).to(torch.uint8).numpy()
 
 
 def weighted_fit(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray, nmax: int = 15):

@@ -16,9 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from compress.formats.gguf._common import (
-    F32, _running_sum, fp16_bytes, fp16_field, fp16_round, importance_weights, make_qkx2_quants, make_qp_quants,
+    F32, _running_sum, as_torch, fp16_bytes, fp16_field, fp16_round, importance_weights, make_qkx2_quants, make_qp_quants,
     mean_square, nearest_int, nibbles, pack_k_scales, unpack_k_scales,
 )
 from compress.formats.gguf.sizes import GGMLType
@@ -73,13 +74,14 @@ def fit_grid(blocks: np.ndarray) -> KGrid:
 def round_codes(blocks: np.ndarray, grid: KGrid, nmax: int = 15) -> np.ndarray:
     """Codes in [0, nmax] ``[N, 256]``: ``round((x + dmin·m)/(d·sc))``; 0 where ``d·sc`` is 0. Shared by
     Q5_K (nmax 31) and Q2_K (nmax 3, 16 sub-blocks: the grid's scales say how many)."""
-    n = blocks.shape[0]
-    x = blocks.reshape(n, grid.sc.shape[1], -1)
+    n, subs = blocks.shape[0], grid.sc.shape[1]
     step = grid.scale()[..., None]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = nearest_int((x + grid.offset()[..., None]) / np.where(step == 0, F32(1), step))
-    dead = 0 if grid.fallback is None else grid.fallback.reshape(x.shape)
-    return np.where(step == 0, dead, np.clip(q, 0, nmax)).reshape(n, 256).astype(np.uint8)
+    dead = step == 0
+    x = as_torch(blocks).view(n, subs, -1) + torch.from_numpy(grid.offset()[..., None])
+    codes = x.div_(torch.from_numpy(np.where(dead, F32(1), step))).round_().clamp_(0, nmax).to(torch.uint8).numpy()
+    if dead.any():
+        codes = np.where(dead, 0 if grid.fallback is None else grid.fallback.reshape(codes.shape), codes)
+    return codes.reshape(n, 256).astype(np.uint8)
 
 
 def pack(grid: KGrid, codes: np.ndarray) -> np.ndarray:
@@ -103,8 +105,8 @@ def unpack(data: np.ndarray) -> tuple[KGrid, np.ndarray]:
 
 def decode(data: np.ndarray) -> np.ndarray:
     grid, codes = unpack(data)
-    q = codes.reshape(-1, 8, SUB).astype(F32)
-    return (grid.scale()[..., None] * q - grid.offset()[..., None]).reshape(-1, 256)
+    q = torch.from_numpy(codes.reshape(-1, 8, SUB)).to(torch.float32)
+    return q.mul_(torch.from_numpy(grid.scale()[..., None])).sub_(torch.from_numpy(grid.offset()[..., None])).reshape(-1, 256).numpy()
 
 
 def fit_sub_blocks_weighted(blocks: np.ndarray, qw: np.ndarray, nmax: int) -> KGrid:

@@ -2,12 +2,14 @@
 
 Layout (``ggml-common.h`` ``block_q8_0``): ``d`` (f16), ``qs`` int8[32]; ``x = d·q``. Encoding follows
 ``quantize_row_q8_0_ref``: ``d = max|x|/127``, ``q = roundf(x/d)`` (half away from zero), computed
-as ``x·(1/d)`` in float32. Shapes: blocks ``[N, 32]`` float32 <-> ``[N, 34]`` uint8.
+as ``x·(1/d)`` in float32. Shapes: blocks ``[N, 32]`` float32 <-> ``[N, 34]`` uint8. The encoder's
+elementwise work runs in torch (several times numpy's speed at one thread for the row maxima).
 """
 
 from __future__ import annotations
 
 import numpy as np
+import torch
 
 from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, safe_reciprocal
 from compress.formats.gguf.sizes import GGMLType
@@ -18,15 +20,15 @@ CODES = (-128, 127)  # signed bytes; the weight is d·code
 
 def fit_grid(blocks: np.ndarray) -> np.ndarray:
     """Per-block scale ``d`` before float16 storage, ``[N, 1]``."""
-    return (np.abs(blocks).max(axis=1, keepdims=True) / F32(127)).astype(F32)
+    return (torch.from_numpy(np.ascontiguousarray(blocks, dtype=F32)).abs().amax(1, keepdim=True) / 127).numpy()
 
 
 def round_codes(blocks: np.ndarray, d: np.ndarray) -> np.ndarray:
-    # C's roundf (half away from zero); floor(|v| + 0.5) would misround 0.49999997 up to 1.
-    scaled = blocks * safe_reciprocal(d)
-    mag = np.abs(scaled)
-    whole = np.floor(mag)
-    return (np.sign(scaled) * (whole + (mag - whole >= F32(0.5)))).astype(np.int8)
+    # C's roundf (half away from zero) as trunc(v) + trunc(2·frac(v)) (all exact in float32);
+    # floor(|v| + 0.5) would misround 0.49999997 up to 1.
+    scaled = torch.from_numpy(np.ascontiguousarray(blocks, dtype=F32)) * torch.from_numpy(safe_reciprocal(d))
+    whole = scaled.trunc()
+    return scaled.sub_(whole).mul_(2).trunc_().add_(whole).to(torch.int8).numpy()
 
 
 def pack(d: np.ndarray, codes: np.ndarray) -> np.ndarray:

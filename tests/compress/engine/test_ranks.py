@@ -131,3 +131,29 @@ def test_more_processes_than_windows_is_refused(tmp_path):
     assert launched.returncode != 0
     assert "1 calibration windows cannot be shared by 2 processes" in launched.stderr
     assert not (tmp_path / "out").exists()
+
+
+def _strided_rows_on_rank(rank: int, init: str, counts: list[int], count: int, out: str) -> None:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=len(counts))
+    ranks = Ranks(rank, len(counts))
+    start = sum(counts[:rank])
+    rows = torch.arange(start, start + counts[rank], dtype=torch.float32).unsqueeze(1)  # each row holds its global index
+    picked = ranks.strided_rows(rows, count)
+    if rank == 0:
+        torch.save(picked, out)
+    ranks.close()
+
+
+@pytest.mark.parametrize("counts,count", [([7, 5], 4), ([5, 7], 5), ([3, 9], 12), ([6, 6], 100)])
+def test_strided_rows_across_processes_are_the_rows_one_process_picks(tmp_path, counts, count):
+    """AWQ's clipping samples: each rank sends only its rows on the global stride, and the gathered rows are
+    the ones one process picks from all rows in order."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "picked.pt"
+    mp.start_processes(_strided_rows_on_rank, args=(f"file://{tmp_path / 'store'}", counts, count, str(out)),
+                       nprocs=len(counts), start_method="spawn")
+    everything = torch.arange(sum(counts), dtype=torch.float32).unsqueeze(1)
+    assert torch.equal(torch.load(out), everything[:: max(1, sum(counts) // count)][:count])
