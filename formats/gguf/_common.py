@@ -8,6 +8,11 @@ with numpy's pairwise sums a few percent of Q4_K blocks came out different from 
 encoders write ggml's bytes (tests/formats/gguf/test_ggml_reference.py). The importance-weighted
 variants (``make_qkx3_quants`` is `make_qkx2_quants` with other step settings; `make_qp_quants`) serve
 llama.cpp's imatrix mode.
+
+Speed: the solvers hold the groups transposed, ``[n, N]``, so a sum over a group is one numpy reduction
+over rows (in ggml's order); their elementwise passes run in torch, in place (about twice numpy's speed
+at one thread, and every op is one IEEE float32 operation, as numpy's: no fused multiply-add, which
+would round differently), and torch's row maxima replace numpy's slow short-row reductions.
 """
 
 from __future__ import annotations
@@ -60,21 +65,20 @@ def row_min(x: np.ndarray) -> np.ndarray:
     return as_torch(x).amin(-1, keepdim=True).numpy()
 
 
-def signed_absmax(x: np.ndarray) -> np.ndarray:
-    """The entry of largest magnitude in each row, with its sign (first one on ties; +0 for a zero
-    row, as ggml's ``if (amax < ax)`` loops), ``[..., 1]``."""
-    hi, lo = row_max(x), row_min(x)
+def signed_absmax(x: np.ndarray, columns: np.ndarray | None = None) -> np.ndarray:
+    """The entry of largest magnitude in each row of ``x [N, n]``, with its sign (first one on ties; +0
+    for a zero row, as ggml's ``if (amax < ax)`` loops): ``[N, 1]``, or ``[N]`` given ``columns``, the
+    contiguous transpose ``[n, N]`` (then the maxima are numpy's fast reductions over rows)."""
+    if columns is not None:
+        hi, lo = columns.max(axis=0), columns.min(axis=0)
+    else:
+        hi, lo = row_max(x), row_min(x)
     top = np.where(hi >= -lo, hi, lo) + F32(0)  # + 0 turns −0 into +0, nothing else
     tie = np.flatnonzero((hi == -lo) & (hi > 0))
     if tie.size:  # both +a and −a: whichever comes first
         rows = np.ascontiguousarray(x, dtype=F32).reshape(-1, x.shape[-1])[tie]
         top.reshape(-1)[tie] = rows[np.arange(tie.size), np.abs(rows).argmax(axis=1)]
     return top
-
-
-def _levels(v: np.ndarray, lo: int, hi: int) -> np.ndarray:
-    """``clamp(nearest_int(v), lo, hi)`` kept in float32 (rint rounds half to even like ggml)."""
-    return np.clip(np.rint(v), lo, hi, out=np.empty_like(v))
 
 
 def _running_sum(a: np.ndarray, axis: int = 0, out: np.ndarray | None = None) -> np.ndarray:
@@ -179,15 +183,17 @@ def make_qx_quants(x: np.ndarray, nmax: int, weights: np.ndarray | None = None) 
     Transposed ``[n, N]`` with the elementwise work in torch, as `make_qkx2_quants`.
     """
     x = x.astype(F32, copy=False)
-    w = x * x if weights is None else weights.astype(F32, copy=False)
-    top = signed_absmax(x)[:, 0]
+    groups, n = x.shape
+    xt = torch.from_numpy(np.ascontiguousarray(x.T))
+    top = signed_absmax(x, columns=xt.numpy())
     empty = np.abs(top) < GROUP_MAX_EPS
     top = np.where(empty, F32(1), top)
 
-    groups, n = x.shape
-    xt = torch.from_numpy(np.ascontiguousarray(x.T))
     w_wx = torch.empty((2, n, groups), dtype=torch.float32)  # [w·x, w]: times L gives w·x·L and w·L
-    w_wx[1] = torch.from_numpy(w.T)
+    if weights is None:
+        torch.mul(xt, xt, out=w_wx[1])
+    else:
+        w_wx[1] = torch.from_numpy(weights.astype(F32, copy=False).T)
     torch.mul(w_wx[1], xt, out=w_wx[0])
     levels = torch.empty_like(xt)
     terms = np.empty((2, n, groups), dtype=F32)  # per weight: w·x·L, w·L²
@@ -218,7 +224,8 @@ def make_qx_quants(x: np.ndarray, nmax: int, weights: np.ndarray | None = None) 
             trial[2] = iscale
             torch.where(torch.from_numpy(better), trial_t, state_t, out=state_t)
     codes = (as_torch(x) * torch.from_numpy(chosen)[:, None]).round_().clamp_(-nmax, nmax - 1).add_(nmax)
-    codes.masked_fill_(torch.from_numpy(empty)[:, None], 0)
+    if empty.any():
+        codes.masked_fill_(torch.from_numpy(empty)[:, None], 0)
     return np.where(empty, F32(0), scale), codes.to(torch.int32).numpy()
 
 
@@ -232,10 +239,10 @@ def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     on the groups the previous one changed (ggml's early exit).
     """
     x = x.astype(F32, copy=False)
-    top = signed_absmax(x)[:, 0]
+    xt = np.ascontiguousarray(x.T)
+    top = signed_absmax(x, columns=xt)
     empty = np.abs(top) < GROUP_MAX_EPS
     iscale = F32(-nmax) / np.where(empty, F32(1), top)
-    xt = np.ascontiguousarray(x.T)
     levels = np.clip(np.rint(iscale * xt), -nmax, nmax - 1)
     w = xt * xt
     wx = w * xt

@@ -36,6 +36,10 @@ def matrices():
     gauss = (rng.standard_normal((96, 1024)) * 0.02).astype(np.float32)
     gauss[3] *= 1e-3
     gauss[5, :256] = 0
+    gauss[6, :256] = -0.0  # the sign of a zero scale: ggml's largest-magnitude loops start from +0
+    gauss[7, 0:512:2], gauss[7, 1:512:2] = 0.03, -0.03  # ±ties of the largest magnitude: the first wins
+    gauss[8, 256:512] = np.abs(gauss[8, 256:512])
+    gauss[8, 300] = -gauss[8, 256:512].max()  # a −max after the +max, inside one block
     heavy = (rng.standard_t(3, size=(64, 512)) * 0.01).astype(np.float32)
     skewed = (np.abs(rng.standard_normal((32, 768))) * 0.05 + 0.01).astype(np.float32)
     return {"gaussian": gauss, "heavy-tailed": heavy, "all-positive": skewed}
