@@ -34,8 +34,9 @@ class InputStatistics:
     Each calibration window's (each row of a 3-D input's) float32 products are added to float64 sums, so
     the figures do not depend on how windows are batched or shared among processes: float64 sums in any
     order round to the same float32 result (differing only where a sum lands within 1e-16 of a float32
-    rounding boundary). GPTQ's column order follows the Hessian's diagonal, so last-bit differences there
-    would change many codes."""
+    rounding boundary). A 2-D input (an MoE expert's routed tokens, gathered from several windows) has no
+    window rows, so its products are taken in float64, exact for float32 inputs. GPTQ's column order
+    follows the Hessian's diagonal, so last-bit differences there would change many codes."""
 
     def __init__(self, in_features: int, needs: frozenset[Stat], device: torch.device | str = "cpu"):
         self.in_features = in_features
@@ -51,7 +52,10 @@ class InputStatistics:
         x = x.detach().float()
         if x.numel() == 0:
             return
-        windows = x.reshape(-1, x.shape[-2], self.in_features) if x.dim() >= 3 else x.reshape(1, -1, self.in_features)
+        if x.dim() >= 3:  # [..., seq_len, in]: one window per row, its products in float32
+            windows = x.reshape(-1, x.shape[-2], self.in_features)
+        else:  # tokens of several windows in one matrix (MoE experts): exact float64 products, whatever the grouping
+            windows = x.reshape(1, -1, self.in_features).double()
         for window in windows:
             if window.shape[0] == 0:
                 continue
@@ -60,7 +64,7 @@ class InputStatistics:
             if self.sq_sum is not None:
                 self.sq_sum.add_(window.square().sum(dim=0))
             if self.absmax is not None:
-                torch.maximum(self.absmax, window.abs().amax(dim=0), out=self.absmax)
+                torch.maximum(self.absmax, window.abs().amax(dim=0).float(), out=self.absmax)  # exact: float32 values
             if self.abs_sum is not None:
                 self.abs_sum.add_(window.abs().sum(dim=0))
             self.count += window.shape[0]

@@ -113,7 +113,8 @@ def make_qkx2_quants(
     lx = np.empty((2, n, groups), dtype=F32)  # [L, x]: w·L times this gives w·L², w·L·x in one op
     lx[1] = x.T
     x, w = lx[1], np.ascontiguousarray(w.astype(F32, copy=False).T)
-    lo = np.minimum(x.min(axis=0), F32(0))
+    lo = x.min(axis=0)
+    lo = np.where(lo > 0, F32(0), lo)  # ggml's ``if (min > 0) min = 0``: a −0 min stays −0
     hi = x.max(axis=0)
     flat = hi == lo
     # any non-zero span serves a flat group (its codes are all 0 whatever the scale; ggml skips it)

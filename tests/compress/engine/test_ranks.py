@@ -93,27 +93,42 @@ def _config(directory: Path) -> dict:
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_two_processes_write_what_one_process_writes(tmp_path, case):
-    argv = CASES[case]
+    _compare_one_and_two(CASES[case], REFERENCE_MODEL, tmp_path)
+
+
+def test_two_processes_share_moe_experts(tmp_path, tiny_tokenizer):
+    """Qwen2-MoE (4 routed experts and a shared one per block): the experts are solved on both ranks and
+    their routed-token counts summed."""
+    from architectures import save_architecture
+
+    model = save_architecture("qwen2_moe", tmp_path / "qwen2-moe", tiny_tokenizer)
+    _compare_one_and_two(["quantize", "--method", "gptq", "--group-size", "32", *CALIB], model, tmp_path)
+
+
+def _compare_one_and_two(argv: list[str], model: Path, tmp_path: Path) -> None:
     suffix = ".gguf" if argv[0] in FILE_OUTPUTS else ""
     one, two = tmp_path / f"one{suffix}", tmp_path / f"two{suffix}"
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as each rank runs (torchrun's default): the reference differs only in its process count
     try:
-        done = CliRunner().invoke(app, [argv[0], str(REFERENCE_MODEL), "-o", str(one), *argv[1:], "--json"])
+        done = CliRunner().invoke(app, [argv[0], str(model), "-o", str(one), *argv[1:], "--json"])
     finally:
         torch.set_num_threads(threads)
     assert done.exit_code == 0, done.output
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     launched = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "-m", "compress.cli", argv[0], str(REFERENCE_MODEL), "-o", str(two), *argv[1:], "--json"],
+         "-m", "compress.cli", argv[0], str(model), "-o", str(two), *argv[1:], "--json"],
         capture_output=True, text=True, env=env, timeout=300,
     )
     assert launched.returncode == 0, launched.stdout + launched.stderr
-    assert json.loads(launched.stdout)["output"] == str(two)  # rank 0's summary alone
+    summary = json.loads(launched.stdout)  # rank 0's summary alone
+    assert summary["output"] == str(two)
     if suffix:
         assert _gguf_contents(two) == _gguf_contents(one)
         return
+    assert summary["layers"] == [{**layer, "seconds": summary_layer["seconds"]}
+                                 for layer, summary_layer in zip(json.loads(done.output)["layers"], summary["layers"])]
     assert _config(two) == _config(one)
     a, b = _tensors(one), _tensors(two)
     assert a.keys() == b.keys()

@@ -267,3 +267,19 @@ def test_batching_and_sharing_change_no_bit():
         for k in ALL:
             assert torch.equal(other[k], results[0][k]), k
     assert_matches(results[0], reference_stats([windows], 24), ALL)
+
+
+def test_routed_tokens_in_any_grouping_change_no_bit():
+    """2-D inputs (an MoE expert's tokens, gathered from several windows): the same tokens in other groupings
+    give bit-identical statistics."""
+    tokens = _data((300, 24), seed=4) * torch.logspace(-3, 3, 24)
+    results = []
+    for cuts in ([300], [100, 200], [7, 93, 150, 50]):
+        st = InputStatistics(24, ALL)
+        for part in tokens.split(cuts):
+            st.update(part)
+        results.append(st.result())
+    for other in results[1:]:
+        for k in ALL:
+            assert torch.equal(other[k], results[0][k]), k
+    assert_matches(results[0], reference_stats([tokens], 24), ALL)
