@@ -18,6 +18,7 @@ broadcast it, and only the main rank's writer keeps what it is given.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import resource
 import time
@@ -35,7 +36,7 @@ from compress.errors import CompressError
 from compress.formats.base import PackedLayer, PackFormat, has_trivial_g_idx
 from compress.engine.journal import BlockJournal
 from compress.engine.methods.base import LayerOutcome, LayerReport, Method
-from compress.engine.ranks import Ranks, Replay
+from compress.engine.ranks import Ranks, Replay, solve_on_owners
 from compress.engine.activations import Activations
 from compress.engine.passes import InputCatcher, StopForward, forward_groups, propagate, run_block, run_until_called, split_hidden
 from compress.checkpoints.model_io import ModelHandle, get_weight, is_conv1d
@@ -250,7 +251,7 @@ class Engine:
                 replay = Replay(lambda: self._run_block(block, inputs), self.ranks)  # methods that measure outputs
                 for method, part in stage.split(group):
                     parallel = self.ranks.world > 1 and method.layerwise
-                    solve = self._solve_across_ranks if parallel else self._solve
+                    solve = functools.partial(solve_on_owners, self.ranks) if parallel else self._solve
                     for report in solve(method, block, part, {n: stats[n] for n in part}, replay):
                         report.info.update(tokens.get(report.name, {}))
                         self.on_layer(report)
@@ -269,34 +270,6 @@ class Engine:
     @staticmethod
     def _solve(method: Method, block: nn.Module, layers: dict[str, nn.Module], stats, replay) -> list[LayerReport]:
         return method.transform_block(block, layers, stats, replay=replay)
-
-    def _solve_across_ranks(self, method: Method, block: nn.Module, layers: dict[str, nn.Module], stats, replay) -> list[LayerReport]:
-        """Weight-parallel: each rank solves its share of ``layers`` (balanced by rows × columns², the cost
-        of a second-order solve), then the owners broadcast the new weights and share their codes, reports
-        and learned state, so every rank holds what one process would."""
-        ranks = self.ranks
-        costs = {}
-        for name, module in layers.items():
-            out_features, in_features = get_weight(module).shape
-            costs[name] = float(out_features) * in_features * in_features
-        owner = ranks.assign(costs)
-        mine = {n: m for n, m in layers.items() if owner[n] == ranks.rank}
-        reports = {r.name: r for r in (method.transform_block(block, mine, {n: stats[n] for n in mine}, replay=replay) if mine else [])}
-        learned = {attr: {n: v for n, v in method.__dict__.get(attr, {}).items() if n in mine} for attr in method.learned_state}
-        shares = ranks.gather({"reports": reports, "kept": method.take_outcomes(), "learned": learned})
-        ordered = []
-        for name, module in layers.items():
-            share = shares[owner[name]]
-            ranks.broadcast_(module.weight.data, owner[name])
-            if name in share["kept"]:
-                method.keep_outcome(name, share["kept"][name])
-            for attr, values in share["learned"].items():
-                state = method.__dict__.setdefault(attr, {})
-                state.pop(name, None)  # re-inserted in layer order, as one process would have
-                if name in values:
-                    state[name] = values[name]
-            ordered.append(share["reports"][name])
-        return ordered
 
     def _keep_outcomes(self, method: Method, layers: dict[str, nn.Module]) -> None:
         """Remember the codes of the layers ``method`` just quantized; a layer changed by a later stage

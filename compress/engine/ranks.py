@@ -18,6 +18,9 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+from torch import nn
+
+from compress.checkpoints.model_io import get_weight
 
 log = logging.getLogger(__name__)
 
@@ -149,3 +152,31 @@ class Replay:
 
     def __call__(self) -> list[torch.Tensor]:
         return self.run()
+
+
+def solve_on_owners(ranks: Ranks, method, block: nn.Module, layers: dict[str, nn.Module], stats, replay) -> list:
+    """Weight-parallel `Method.transform_block` for a layer-by-layer method: each rank solves its share of
+    ``layers`` (balanced by rows x columns², the cost of a second-order solve), then the owners broadcast the
+    new weights and share their codes, reports and learned state, so every rank holds what one process would."""
+    costs = {}
+    for name, module in layers.items():
+        out_features, in_features = get_weight(module).shape
+        costs[name] = float(out_features) * in_features * in_features
+    owner = ranks.assign(costs)
+    mine = {n: m for n, m in layers.items() if owner[n] == ranks.rank}
+    reports = {r.name: r for r in (method.transform_block(block, mine, {n: stats[n] for n in mine}, replay=replay) if mine else [])}
+    learned = {attr: {n: v for n, v in method.__dict__.get(attr, {}).items() if n in mine} for attr in method.learned_state}
+    shares = ranks.gather({"reports": reports, "kept": method.take_outcomes(), "learned": learned})
+    ordered = []
+    for name, module in layers.items():
+        share = shares[owner[name]]
+        ranks.broadcast_(module.weight.data, owner[name])
+        if name in share["kept"]:
+            method.keep_outcome(name, share["kept"][name])
+        for attr, values in share["learned"].items():
+            state = method.__dict__.setdefault(attr, {})
+            state.pop(name, None)  # re-inserted in layer order, as one process would have
+            if name in values:
+                state[name] = values[name]
+        ordered.append(share["reports"][name])
+    return ordered
