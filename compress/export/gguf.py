@@ -54,7 +54,7 @@ from compress.formats.gguf.writer import atomic_gguf_writer
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2"}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # HF model_type -> GGUF arch
 PERMUTED_ARCHS = {"llama"}  # GGML's llama uses interleaved (NORM) RoPE; qwen2 uses NEOX like HF
 
 
@@ -154,7 +154,7 @@ def _read_config(model: Path) -> dict:
     kind = config.get("model_type")
     if kind not in ARCHITECTURES:
         raise CompressError(
-            f"GGUF export supports llama, mistral and qwen2 checkpoints, not {kind!r}: convert other architectures with llama.cpp's convert_hf_to_gguf.py"
+            f"GGUF export supports {', '.join(ARCHITECTURES)} checkpoints, not {kind!r}: convert other architectures with llama.cpp's convert_hf_to_gguf.py"
         )
     if config.get("quantization_config"):
         raise CompressError(f"{model} is already quantized (quantization_config): export the original checkpoint")

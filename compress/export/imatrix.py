@@ -85,7 +85,7 @@ def run_imatrix(config: ImatrixConfig, progress: Callable[[str, int, int], None]
         entries = collect_imatrix(model, ranks.local_share(windows), config.process_output, on_step)
         combine_entries(entries, ranks)
     if not entries:
-        raise CompressError(f"no llama-family linear layers found in {config.model}: imatrix supports llama, mistral and qwen2")
+        raise CompressError(f"no llama-family linear layers found in {config.model}: imatrix supports the GGUF export's architectures")
     summary = {"output": str(config.output), "entries": len(entries), "chunks": int(windows.shape[0]),
                "chunk_size": int(windows.shape[1])}
     if not ranks.main:  # the main process writes the file

@@ -260,7 +260,8 @@ def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
             for xi, wi, wxi, li in zip(xs, ws, wxs, ls):
                 slx = slx_all - wxi * li
                 sl2 = sl2_all - wi * li * li
-                new = np.clip(nearest_int(xi * sl2 / slx), -nmax, nmax - 1).astype(F32)
+                new = np.rint(xi * sl2 / slx).astype(np.int32)  # nearest_int: non-finite -> INT_MIN -> -nmax
+                new = np.minimum(np.maximum(new, -nmax, out=new), nmax - 1, out=new).astype(F32)
                 slx_new = slx + wxi * new
                 sl2_new = sl2 + wi * new * new
                 take = ((slx > 0) & (new != li) & (sl2_new > 0)

@@ -10,10 +10,13 @@ solvers' temporaries.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from types import ModuleType
 
 import numpy as np
+import torch
 
 from compress.errors import CompressError
 from compress.formats.gguf._common import mean_square
@@ -26,6 +29,23 @@ CODECS: dict[GGMLType, ModuleType] = {
 # Elements per encoding task: the solvers' temporaries stay in cache (measured fastest at 2^16 on
 # a 2-core machine; 2^23 was 1.9x slower), and tasks run on a thread pool since numpy and torch release the GIL.
 CHUNK_ELEMENTS = 1 << 16
+
+
+@contextmanager
+def one_torch_thread() -> Iterator[None]:
+    """torch's intra-op threads off inside the block: the codecs' torch operations are a chunk each and
+    the chunks already run on a thread pool; torch splitting each op over its threads too only added
+    fork/join overhead (Q8_0 1.7x slower with 2 torch threads in each of 2 workers on 2 cores).
+    ``torch.set_num_threads`` is process-wide, so the previous count is restored on exit."""
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def _usable_cpus() -> int:
@@ -82,11 +102,14 @@ def encode_tensor(weight: np.ndarray, kind: GGMLType, importance: np.ndarray | N
         out[part] = encode_weighted(blocks[part], qw[part], row_sigma2[part]) if weighted else encode(blocks[part])
 
     starts = range(0, blocks.shape[0], step)
-    if len(starts) == 1:
-        work(0)
-    else:
-        with ThreadPoolExecutor(max_workers=min(len(starts), _usable_cpus())) as pool:
-            list(pool.map(work, starts))
+    workers = min(len(starts), _usable_cpus())
+    with one_torch_thread():
+        if workers == 1:
+            for start in starts:
+                work(start)
+        else:
+            with ThreadPoolExecutor(max_workers=workers) as pool:
+                list(pool.map(work, starts))
     return out.reshape(w2.shape[0], -1)
 
 

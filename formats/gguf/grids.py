@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from compress.formats.gguf.codecs import CHUNK_ELEMENTS, CODECS
+from compress.formats.gguf.codecs import CHUNK_ELEMENTS, CODECS, one_torch_thread
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
 
 
@@ -99,9 +99,10 @@ def fit(
         importance = np.ascontiguousarray(importance, dtype=np.float32)
     data = np.empty((blocks.shape[0], BLOCK_SIZES[kind][1]), dtype=np.uint8)
     step = max(1, CHUNK_ELEMENTS // blocks.shape[1])  # the encoders' temporaries stay in cache
-    for start in range(0, blocks.shape[0], step):
-        part = slice(start, start + step)
-        data[part] = codec.encode_weighted(blocks[part], importance[part], row_sigma2[part]) if weighted else codec.encode(blocks[part])
+    with one_torch_thread():
+        for start in range(0, blocks.shape[0], step):
+            part = slice(start, start + step)
+            data[part] = codec.encode_weighted(blocks[part], importance[part], row_sigma2[part]) if weighted else codec.encode(blocks[part])
     grid, _ = codec.unpack(data)
     lo, hi = codec.CODES
     zeros = np.zeros(blocks.shape, dtype=np.int8 if lo < 0 else np.uint8)

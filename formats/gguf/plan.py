@@ -74,7 +74,7 @@ FILE_TYPE = {
 
 FALLBACK = {G.Q2_K: G.Q4_0, G.Q3_K: G.Q4_0, G.Q4_K: G.Q5_0, G.Q5_K: G.Q5_1, G.Q6_K: G.Q8_0, G.IQ3_S: G.IQ4_NL, G.IQ4_XS: G.IQ4_NL}
 
-# HF parameter name -> GGUF tensor name (gguf-py constants.py MODEL_TENSORS for LLAMA / QWEN2)
+# HF parameter name -> GGUF tensor name (gguf-py constants.py MODEL_TENSORS for LLAMA / QWEN2 / QWEN3)
 _TOP = {
     "model.embed_tokens.weight": "token_embd.weight",
     "model.norm.weight": "output_norm.weight",
@@ -85,6 +85,7 @@ _BLOCK = {
     "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
+    "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # Qwen3: RMS norm of each head's q and k
 }
 _BLOCK_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 

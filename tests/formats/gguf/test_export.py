@@ -40,9 +40,10 @@ def hf_with_decoded_weights(model_dir, target: Target):
                 continue
             kind = plan.tensor_type(target, plan.gguf_name(name), tuple(p.shape), cfg.num_hidden_layers, cfg.tie_word_embeddings)
             heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(name.split(".")[-2])
-            w = permute_rope(p.detach(), heads) if heads and cfg.model_type != "qwen2" else p.detach()
+            permuted = heads and cfg.model_type not in ("qwen2", "qwen3")  # GGML's qwen2/qwen3 use NEOX RoPE as HF does
+            w = permute_rope(p.detach(), heads) if permuted else p.detach()
             d = torch.from_numpy(decode_tensor(encode_tensor(w.numpy(), kind), kind, w.shape[1]).copy())
-            if heads and cfg.model_type != "qwen2":
+            if permuted:
                 d = d.reshape(heads, d.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(d.shape)
             p.copy_(d)
     return model
@@ -122,26 +123,31 @@ def test_tied_embeddings_write_no_output_tensor(tmp_path, tiny_tokenizer):
         assert torch.allclose(loaded(ids).logits, expected(ids).logits, atol=1e-5)
 
 
-@pytest.mark.parametrize("kind", ["qwen2", "mistral"])
-def test_qwen2_and_mistral_export(tmp_path, tiny_tokenizer, kind):
-    from transformers import MistralConfig, Qwen2Config
+@pytest.mark.parametrize("kind", ["qwen2", "mistral", "qwen3"])
+def test_qwen2_qwen3_and_mistral_export(tmp_path, tiny_tokenizer, kind):
+    from transformers import MistralConfig, Qwen2Config, Qwen3Config
 
-    cls = Qwen2Config if kind == "qwen2" else MistralConfig
+    cls = {"qwen2": Qwen2Config, "mistral": MistralConfig, "qwen3": Qwen3Config}[kind]
+    # transformers' GGUF loader ignores qwen3's key_length and takes Qwen3Config's default head_dim, 128 (real Qwen3's)
+    extra = {"head_dim": 128} if kind == "qwen3" else {}
     config = cls(
         vocab_size=len(tiny_tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False, **extra,
     )
     model = save_random_model(config, tmp_path / kind, tiny_tokenizer)
-    if kind == "qwen2":  # Qwen2 has q/k/v biases; make them non-zero so a wrong mapping shows
+    if kind != "mistral":  # Qwen2's q/k/v biases and Qwen3's q/k norms: away from 0 and 1, so a wrong mapping shows
         from safetensors.torch import load_file, save_file
 
         state = load_file(model / "model.safetensors")
         for k in state:
-            if k.endswith("bias"):
-                state[k] = torch.randn_like(state[k]) * 0.1
+            if k.endswith("bias") or "_norm." in k:
+                state[k] = state[k] + torch.randn_like(state[k]) * 0.1
         save_file(state, model / "model.safetensors", metadata={"format": "pt"})
     _, out = export(model, tmp_path, Target.q8_0)
-    assert read_fields(out)["general.architecture"] == ("qwen2" if kind == "qwen2" else "llama")
+    fields = read_fields(out)
+    assert fields["general.architecture"] == ("llama" if kind == "mistral" else kind)
+    if kind == "qwen3":
+        assert fields["qwen3.attention.key_length"] == fields["qwen3.attention.value_length"] == 128
     loaded = transformers_model(out)
     expected = hf_with_decoded_weights(model, Target.q8_0)
     ids = torch.arange(1, 33).reshape(1, -1)
