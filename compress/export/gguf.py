@@ -54,7 +54,10 @@ from compress.formats.gguf.writer import atomic_gguf_writer
 
 log = logging.getLogger(__name__)
 
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}  # HF model_type -> GGUF arch
+# HF model_type -> GGUF arch
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
+# per GGUF arch: config.json key -> the GGUFWriter method that records it, as llama.cpp's converter does
+ARCH_EXTRA_KEYS = {"phi3": {"original_max_position_embeddings": "add_rope_scaling_orig_ctx_len", "sliding_window": "add_sliding_window"}}
 PERMUTED_ARCHS = {"llama"}  # GGML's llama uses interleaved (NORM) RoPE; qwen2 uses NEOX like HF
 
 
@@ -181,7 +184,11 @@ def _add_metadata(writer, arch: str, config: dict, target: Target) -> None:
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
     writer.add_rope_freq_base(_rope_theta(config))
     writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
-    writer.add_rope_dimension_count(head_dim)
+    rope = config.get("rope_parameters") or {}
+    writer.add_rope_dimension_count(int(head_dim * config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))))
+    for key, add in ARCH_EXTRA_KEYS.get(arch, {}).items():
+        if config.get(key):
+            getattr(writer, add)(config[key])
     if head_dim != hidden // heads:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)

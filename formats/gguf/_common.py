@@ -152,9 +152,9 @@ def make_qkx2_quants(
     state[...] = trial
     sums = np.empty((3, groups), dtype=F32)
     sum_l, sum_l2, sum_xl = sums
-    tops = [F32(rmin) + F32(rdelta) * F32(step) + F32(nmax) for step in range(nstep + 1)]
+    numerators = [F32(rmin) + F32(rdelta) * F32(step) + F32(nmax) for step in range(nstep + 1)]  # of the trial iscales
     with np.errstate(divide="ignore", invalid="ignore"):
-        for numerator in tops:
+        for numerator in numerators:
             np.subtract(top, offset, out=iscale)
             np.divide(numerator, iscale, out=iscale)
             np.copyto(used_offset, offset)

@@ -11,6 +11,7 @@ llama.cpp's ``llama-quantize --pure``. Mixed presets follow ``llama_tensor_get_t
 - ``ffn_down``: Q3_K_M -> Q5_K below n/16, else Q4_K; Q4_K_M/Q5_K_M -> Q6_K on ``use_more_bits``
   layers; Q4_K_S -> Q5_K below n/8;
 - ``attn_output``: Q3_K_M -> Q4_K;
+- a fused ``attn_qkv`` (Phi-3) is ``attn_v``-like (llama.cpp's ``category_is_attn_v``) and follows its rules;
 - ``iq4_xs_mix`` (llama.cpp's IQ4_XS file type): ``attn_v`` -> Q5_K when ``n_head/n_head_kv ≥ 4``;
   ``ffn_down`` -> Q5_K below n/8 when no importance matrix is used (llama.cpp's ``has_imatrix``; GPTQ's
   Hessian-weighted fit counts as one).
@@ -86,6 +87,7 @@ _BLOCK = {
     "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
     "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # Qwen3: RMS norm of each head's q and k
+    "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3: fused, kept fused (llama.cpp splits them)
 }
 _BLOCK_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
@@ -104,6 +106,10 @@ def use_more_bits(i_layer: int, n_layers: int) -> bool:
     return i_layer < n_layers // 8 or i_layer >= 7 * n_layers // 8 or (i_layer - n_layers // 8) % 3 == 2
 
 
+def _attn_v_like(name: str) -> bool:
+    return name.endswith(("attn_v.weight", "attn_qkv.weight"))
+
+
 def _layer(name: str) -> int:
     return int(name.split(".")[1])
 
@@ -113,12 +119,12 @@ def _mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: int, 
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         return G.Q8_0 if cols % BLOCK_SIZES[base][0] else G.Q6_K
     if target == Target.iq4_xs_mix:
-        if name.endswith("attn_v.weight") and n_gqa >= 4:
+        if _attn_v_like(name) and n_gqa >= 4:
             return G.Q5_K
         if name.endswith("ffn_down.weight") and not has_imatrix and _layer(name) < n_layers // 8:
             return G.Q5_K
         return base
-    if name.endswith("attn_v.weight"):
+    if _attn_v_like(name):
         i = _layer(name)
         if target == Target.q3_k_m:
             return G.Q5_K if i < 2 else G.Q4_K

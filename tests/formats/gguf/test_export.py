@@ -40,7 +40,7 @@ def hf_with_decoded_weights(model_dir, target: Target):
                 continue
             kind = plan.tensor_type(target, plan.gguf_name(name), tuple(p.shape), cfg.num_hidden_layers, cfg.tie_word_embeddings)
             heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(name.split(".")[-2])
-            permuted = heads and cfg.model_type not in ("qwen2", "qwen3")  # GGML's qwen2/qwen3 use NEOX RoPE as HF does
+            permuted = heads and cfg.model_type not in ("qwen2", "qwen3", "phi3")  # GGML's NEOX-RoPE archs: as HF does
             w = permute_rope(p.detach(), heads) if permuted else p.detach()
             d = torch.from_numpy(decode_tensor(encode_tensor(w.numpy(), kind), kind, w.shape[1]).copy())
             if permuted:
@@ -148,6 +148,23 @@ def test_qwen2_qwen3_and_mistral_export(tmp_path, tiny_tokenizer, kind):
     assert fields["general.architecture"] == ("llama" if kind == "mistral" else kind)
     if kind == "qwen3":
         assert fields["qwen3.attention.key_length"] == fields["qwen3.attention.value_length"] == 128
+    loaded = transformers_model(out)
+    expected = hf_with_decoded_weights(model, Target.q8_0)
+    ids = torch.arange(1, 33).reshape(1, -1)
+    with torch.no_grad():
+        assert torch.allclose(loaded(ids).logits, expected(ids).logits, atol=1e-5)
+
+
+def test_phi3_export_keeps_qkv_and_gate_up_fused(tmp_path, tiny_tokenizer):
+    """Phi-3 stores q/k/v and gate/up fused; llama.cpp's phi3 reads them as ``attn_qkv`` and ``ffn_up`` (2 x ff rows)."""
+    from architectures import save_architecture
+    from gguf import GGUFReader
+
+    model = save_architecture("phi3", tmp_path / "phi3", tiny_tokenizer)
+    _, out = export(model, tmp_path, Target.q8_0)
+    shapes = {t.name: [int(d) for d in t.shape] for t in GGUFReader(str(out)).tensors}
+    assert shapes["blk.0.attn_qkv.weight"] == [64, 64 + 2 * 32] and shapes["blk.0.ffn_up.weight"] == [64, 2 * 128]
+    assert read_fields(out)["general.architecture"] == "phi3"
     loaded = transformers_model(out)
     expected = hf_with_decoded_weights(model, Target.q8_0)
     ids = torch.arange(1, 33).reshape(1, -1)

@@ -112,6 +112,25 @@ def test_our_file_is_llama_quantize_output(half_reference, tmp_path, target, fty
     assert not differing, differing
 
 
+def test_phi3_q4_k_m_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_cpp_runs):
+    """llama-quantize's Q4_K_M rules on a fused ``attn_qkv`` (attn_v-like: Q6_K where use_more_bits) and the rest, on a Phi-3 wide
+    enough for k-quant blocks: the same types and bytes as our exporter (from the same F16 file)."""
+    from gguf import GGUFReader
+
+    from architectures import save_architecture
+
+    model = save_architecture("phi3", tmp_path / "phi3", tiny_tokenizer, hidden_size=256, intermediate_size=512, dtype="float16")
+    f16, ours, theirs = tmp_path / "f16.gguf", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    export_gguf(ExportConfig(model, f16, Target.f16))
+    export_gguf(ExportConfig(model, ours, Target.q4_k_m))
+    quantize(f16, theirs, 15, pure=False, threads=2)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    a = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(ours)).tensors}
+    b = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(theirs)).tensors}
+    assert {k: v[0] for k, v in a.items()} == {k: v[0] for k, v in b.items()}
+    assert (a["blk.0.attn_qkv.weight"][0], a["blk.1.attn_qkv.weight"][0]) == ("Q4_K", "Q6_K")
+    assert [k for k in a if a[k][1] != b[k][1]] == []
+
+
 @pytest.mark.parametrize("target, ftype, pure, blocks", [(Target.iq4_xs_mix, 30, False, 8), (Target.iq3_s, 26, True, 2)],
                          ids=lambda v: getattr(v, "value", str(v)))
 def test_i_quant_file_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_cpp_runs, target, ftype, pure, blocks):
@@ -193,15 +212,16 @@ def test_smollm2_q4_k_m_falls_back_like_llama_quantize(smollm2, tmp_path, llama_
     assert abs(llamacpp_perplexity(ours, ids, ctx=512) / mine - 1) < 0.005
 
 
-def test_llama_cpp_runs_our_qwen3_file(tmp_path, tiny_tokenizer, llama_cpp_runs):
-    """Qwen3 (per-head q/k RMS norms, head_dim 32 where hidden/heads is 16, NEOX RoPE): llama.cpp's perplexity of
-    our F16 file is within 0.5% of transformers' on the checkpoint itself."""
+@pytest.mark.parametrize("kind,overrides", [("qwen3", {"head_dim": 32}), ("phi3", {})], ids=["qwen3", "phi3"])
+def test_llama_cpp_runs_our_file_of_another_architecture(tmp_path, tiny_tokenizer, llama_cpp_runs, kind, overrides):
+    """Qwen3 (per-head q/k RMS norms, head_dim 32 where hidden/heads is 16) and Phi-3 (fused q/k/v and gate/up),
+    both NEOX RoPE: llama.cpp's perplexity of our F16 file is within 0.5% of transformers' on the checkpoint."""
     from transformers import AutoModelForCausalLM
 
     from architectures import save_architecture
 
-    model = save_architecture("qwen3", tmp_path / "qwen3", tiny_tokenizer, head_dim=32)
-    out = tmp_path / "qwen3-f16.gguf"
+    model = save_architecture(kind, tmp_path / kind, tiny_tokenizer, **overrides)
+    out = tmp_path / f"{kind}-f16.gguf"
     export_gguf(ExportConfig(model, out, Target.f16))
     ids = tiny_tokenizer(EVAL_TEXT.read_text(encoding="utf-8"))["input_ids"][:1024]
     hf = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32).eval()
