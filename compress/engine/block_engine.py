@@ -155,6 +155,7 @@ class Engine:
         self.on_layer = on_layer or (lambda report: None)
         self.needs_data = any(method.needs for stage in stages for method in stage.methods()) or observer is not None
         self._block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
+        self._group_order: dict[tuple, list[list[str]]] = {}  # (block class, selected layers) -> groups, see _groups
         self._in_blocks = tuple(name + "." for name in self._block_names)
 
     def check(self, calibration: torch.Tensor | None) -> None:
@@ -238,7 +239,7 @@ class Engine:
             if not layers:
                 continue
             sequential = stage.method.sequential and stage.method.needs
-            for group in self._forward_groups(block, layers, inputs[0]) if sequential else [layers]:
+            for group in self._groups(block, block_name, layers, inputs) if sequential else [layers]:
                 needs = frozenset().union(*(stage.method_for(name).needs for name in group))
                 for module in routing.values():
                     module.reset_routed_tokens()
@@ -289,6 +290,16 @@ class Engine:
                 self._outcomes[name] = (outcome, acts)
             elif self._outcomes.pop(name, None) is not None:
                 log.warning("%s was quantized and then changed by %s: it is written dense", name, method.name)
+
+    def _groups(self, block: nn.Module, block_name: str, layers: dict[str, nn.Module], inputs) -> list[dict[str, nn.Module]]:
+        """True-sequential groups of ``layers`` in forward order, learned by one batch through the first block
+        of each structure (block class and selected layers): blocks built alike call their layers alike."""
+        relative = [name[len(block_name) + 1 :] for name in layers]
+        key = (type(block), tuple(relative))
+        if key not in self._group_order:
+            groups = self._forward_groups(block, layers, inputs[0])
+            self._group_order[key] = [[name[len(block_name) + 1 :] for name in group] for group in groups]
+        return [{f"{block_name}.{r}": layers[f"{block_name}.{r}"] for r in group} for group in self._group_order[key]]
 
     def _forward_groups(self, block: nn.Module, layers: dict[str, nn.Module], sample) -> list[dict[str, nn.Module]]:
         return forward_groups(layers, lambda: self._run_block(block, [sample]))
