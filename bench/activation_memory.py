@@ -45,11 +45,15 @@ def run(args, model: Path, out: Path, budget: str | None) -> tuple[dict, float]:
     command = "prune" if args.method in ("sparsegpt", "wanda") else "quantize"
     argv = [sys.executable, "-m", "compress.cli", command, str(model), "-o", str(out), "--method", args.method,
             "--calib", str(args.calib), "--samples", str(args.samples), "--seq-len", str(args.seq_len), "--json"]
+    if command == "prune":
+        argv += ["--sparsity", "0.5"]
     if budget is not None:
         argv += ["--activation-memory", budget]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
-    done = subprocess.run(argv, check=True, env=env, capture_output=True, text=True)
+    done = subprocess.run(argv, env=env, capture_output=True, text=True)
+    if done.returncode:
+        raise SystemExit(f"{' '.join(argv)} failed: {done.stderr.strip()}")
     return json.loads(done.stdout), time.perf_counter() - start
 
 
@@ -62,7 +66,8 @@ def main() -> None:
     ap.add_argument("--budget", default="64MB")
     ap.add_argument("--method", default="gptq")
     ap.add_argument("--threads", type=int, default=os.cpu_count())
-    ap.add_argument("--calib", type=Path, default=REPO / "eval/assets/shakespeare-calib-slice.txt")
+    corpus = REPO.parent / "shared/corpus/shakespeare/train.txt"  # 4.4 MB: enough text for hundreds of long windows
+    ap.add_argument("--calib", type=Path, default=corpus if corpus.is_file() else REPO / "eval/assets/shakespeare-calib-slice.txt")
     args = ap.parse_args()
     import torch
     from safetensors.torch import load_file
