@@ -10,9 +10,7 @@ solvers' temporaries.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from types import ModuleType
 
 import numpy as np
@@ -22,6 +20,7 @@ from compress.errors import CompressError
 from compress.formats.gguf._common import mean_square
 from compress.formats.gguf import bf16, f16, iq3_s, iq4_nl, iq4_xs, q2_k, q3_k, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
+from compress.quantizers.threads import one_thread
 
 CODECS: dict[GGMLType, ModuleType] = {
     m.KIND: m for m in (f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, iq3_s)
@@ -32,23 +31,6 @@ CODECS: dict[GGMLType, ModuleType] = {
 # 2048 x 4096 matrix, 2 cores: 1 worker 50 MB/s, 2 workers at 2^16 35 MB/s, at 2^18 58 MB/s, Q4_0 at 2^19 1.5x).
 CHUNK_ELEMENTS = 1 << 16
 POOL_CHUNK_ELEMENTS = 1 << 19
-
-
-@contextmanager
-def one_torch_thread() -> Iterator[None]:
-    """torch's intra-op threads off inside the block: the codecs' torch operations are a chunk each and
-    the chunks already run on a thread pool; torch splitting each op over its threads too only added
-    fork/join overhead (Q8_0 1.7x slower with 2 torch threads in each of 2 workers on 2 cores).
-    ``torch.set_num_threads`` is process-wide, so the previous count is restored on exit."""
-    threads = torch.get_num_threads()
-    if threads == 1:
-        yield
-        return
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def _usable_cpus() -> int:
@@ -106,7 +88,9 @@ def encode_tensor(weight: np.ndarray, kind: GGMLType, importance: np.ndarray | N
         out[part] = encode_weighted(blocks[part], qw[part], row_sigma2[part]) if weighted else encode(blocks[part])
 
     starts = range(0, blocks.shape[0], step)
-    with one_torch_thread():
+    # torch's intra-op threads off: the chunks already run on a pool, and torch splitting each small op over
+    # its threads too only added fork/join overhead (Q8_0 1.7x slower with 2 torch threads in each of 2 workers)
+    with one_thread(torch.device("cpu")):
         if workers == 1:
             for start in starts:
                 work(start)

@@ -24,8 +24,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
-from compress.formats.gguf.codecs import CHUNK_ELEMENTS, CODECS, one_torch_thread
+from compress.formats.gguf.codecs import CHUNK_ELEMENTS, CODECS
+from compress.quantizers.threads import one_thread
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
 
 
@@ -99,7 +101,7 @@ def fit(
         importance = np.ascontiguousarray(importance, dtype=np.float32)
     data = np.empty((blocks.shape[0], BLOCK_SIZES[kind][1]), dtype=np.uint8)
     step = max(1, CHUNK_ELEMENTS // blocks.shape[1])  # the encoders' temporaries stay in cache
-    with one_torch_thread():
+    with one_thread(torch.device("cpu")):
         for start in range(0, blocks.shape[0], step):
             part = slice(start, start + step)
             data[part] = codec.encode_weighted(blocks[part], importance[part], row_sigma2[part]) if weighted else codec.encode(blocks[part])
