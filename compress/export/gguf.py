@@ -55,9 +55,17 @@ from compress.formats.gguf.writer import atomic_gguf_writer
 log = logging.getLogger(__name__)
 
 # HF model_type -> GGUF arch
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3"}
-# per GGUF arch: config.json key -> the GGUFWriter method that records it, as llama.cpp's converter does
-ARCH_EXTRA_KEYS = {"phi3": {"original_max_position_embeddings": "add_rope_scaling_orig_ctx_len", "sliding_window": "add_sliding_window"}}
+ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2"}
+# What llama.cpp's converter does per GGUF arch, as data:
+# config.json key -> the GGUFWriter method that records it
+ARCH_EXTRA_KEYS = {
+    "phi3": {"original_max_position_embeddings": "add_rope_scaling_orig_ctx_len", "sliding_window": "add_sliding_window"},
+    "gemma2": {"attn_logit_softcapping": "add_attn_logit_softcapping", "final_logit_softcapping": "add_final_logit_softcapping",
+               "sliding_window": "add_sliding_window"},
+}
+KEY_LENGTH_ALWAYS = {"gemma2"}  # key/value length written even when it is hidden / heads
+NORM_SHIFT = {"gemma2": 1.0}  # added to every norm weight: Gemma's RMS norm scales by (1 + w), ggml's by w
+TIED_ONLY = {"gemma2"}  # llama.cpp reads the embeddings as the output layer: an untied lm_head has no place
 PERMUTED_ARCHS = {"llama"}  # GGML's llama uses interleaved (NORM) RoPE; qwen2 uses NEOX like HF
 
 
@@ -161,6 +169,15 @@ def _read_config(model: Path) -> dict:
         )
     if config.get("quantization_config"):
         raise CompressError(f"{model} is already quantized (quantization_config): export the original checkpoint")
+    arch = ARCHITECTURES[kind]
+    if arch in TIED_ONLY and not config.get("tie_word_embeddings", True):
+        raise CompressError(f"{model}: llama.cpp's {arch} uses the embeddings as the output layer, so an untied lm_head cannot be exported")
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if "query_pre_attn_scalar" in config and config["query_pre_attn_scalar"] != head_dim:
+        raise CompressError(
+            f"{model}: query_pre_attn_scalar {config['query_pre_attn_scalar']} is not head_dim {head_dim}, "
+            "and llama.cpp scales queries by 1/sqrt(head_dim): such a model cannot be exported"
+        )
     rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
     if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
         raise CompressError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported by the GGUF export yet: export a model without rope_scaling")
@@ -189,7 +206,7 @@ def _add_metadata(writer, arch: str, config: dict, target: Target) -> None:
     for key, add in ARCH_EXTRA_KEYS.get(arch, {}).items():
         if config.get(key):
             getattr(writer, add)(config[key])
-    if head_dim != hidden // heads:
+    if head_dim != hidden // heads or arch in KEY_LENGTH_ALWAYS:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
     writer.add_vocab_size(config["vocab_size"])
@@ -215,7 +232,7 @@ def _tensor_plan(
     (GGUF name -> type, already fitted to the row length) overrides ``target``'s choice per tensor."""
     shapes = {}
     for name in reader.names():
-        gname = plan.gguf_name(name)
+        gname = plan.gguf_name(name, ARCHITECTURES[config["model_type"]])
         if gname is None:
             if not name.endswith("rotary_emb.inv_freq"):
                 log.warning("tensor %s has no GGUF counterpart; skipped", name)
@@ -357,6 +374,8 @@ def export_gguf(
                 rows = torch.from_numpy(given[1])  # rows of bytes permute like rows of weights
             else:
                 rows = reader.get(name).to(torch.float32)
+                if gname.endswith("norm.weight") and arch in NORM_SHIFT:
+                    rows = rows + NORM_SHIFT[arch]
             if arch in PERMUTED_ARCHS and gname.startswith("blk.") and gname.split(".")[2] in ("attn_q", "attn_k"):
                 rows = permute_rope(rows, heads if gname.split(".")[2] == "attn_q" else kv_heads)
             data = rows.numpy()

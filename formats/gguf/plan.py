@@ -92,13 +92,23 @@ _BLOCK = {
 _BLOCK_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
-def gguf_name(hf_name: str) -> str | None:
-    """The GGUF tensor name of an HF llama-family parameter; None for buffers GGUF does not store."""
+# per GGUF architecture: HF block names that map elsewhere (Gemma 2 norms the attention's and the MLP's
+# outputs too, so its post_attention_layernorm is not the MLP's input norm)
+_BLOCK_BY_ARCH = {
+    "gemma2": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"},
+}
+
+
+def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
+    """The GGUF tensor name of an HF parameter of a llama-like model of GGUF architecture ``arch``; None for
+    buffers GGUF does not store."""
     if hf_name in _TOP:
         return _TOP[hf_name]
     m = _BLOCK_RE.match(hf_name)
-    if m and m.group(2) in _BLOCK:
-        return f"blk.{m.group(1)}.{_BLOCK[m.group(2)]}.{m.group(3)}"
+    block = {**_BLOCK, **_BLOCK_BY_ARCH.get(arch, {})}
+    if m and m.group(2) in block:
+        return f"blk.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
     return None
 
 

@@ -164,6 +164,34 @@ def test_phi3_export_keeps_qkv_and_gate_up_fused(tmp_path, tiny_tokenizer):
     _assert_transformers_reads_the_decoded_weights(model, out)
 
 
+def test_gemma2_export(tmp_path, tiny_tokenizer):
+    """Gemma 2: norms stored as 1 + w (transformers' loader subtracts the 1 again), four norms a block mapped to
+    llama.cpp's names, soft-capping and key length recorded; an untied lm_head or a query scale llama.cpp cannot
+    apply are one-line errors."""
+    from architectures import save_architecture
+
+    # transformers' GGUF loader takes query_pre_attn_scalar from Gemma2Config's default, 256 (real Gemma 2's head_dim)
+    model = save_architecture("gemma2", tmp_path / "gemma2", tiny_tokenizer, tie_word_embeddings=True, head_dim=256,
+                              query_pre_attn_scalar=256)
+    _, out = export(model, tmp_path, Target.q8_0)
+    fields = read_fields(out)
+    assert fields["general.architecture"] == "gemma2" and fields["gemma2.attention.key_length"] == 256
+    assert fields["gemma2.final_logit_softcapping"] == pytest.approx(30.0)
+    from gguf import GGUFReader
+    from safetensors.torch import load_file
+
+    norms = {t.name: np.array(t.data) for t in GGUFReader(str(out)).tensors if t.name.startswith("blk.0.") and "norm" in t.name}
+    assert set(norms) == {f"blk.0.{n}.weight" for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm")}
+    hf = load_file(model / "model.safetensors")
+    assert np.array_equal(norms["blk.0.post_ffw_norm.weight"], hf["model.layers.0.post_feedforward_layernorm.weight"].numpy() + 1)
+    _assert_transformers_reads_the_decoded_weights(model, out)
+    untied = save_architecture("gemma2", tmp_path / "untied", tiny_tokenizer, query_pre_attn_scalar=16)
+    assert "untied lm_head" in one_line_error(export_gguf, ExportConfig(untied, tmp_path / "u.gguf", Target.q8_0))
+    scaled = save_architecture("gemma2", tmp_path / "scaled", tiny_tokenizer, tie_word_embeddings=True, query_pre_attn_scalar=64)
+    assert "query_pre_attn_scalar 64" in one_line_error(export_gguf, ExportConfig(scaled, tmp_path / "s.gguf", Target.q8_0))
+    assert not (tmp_path / "u.gguf").exists() and not (tmp_path / "s.gguf").exists()
+
+
 def _assert_transformers_reads_the_decoded_weights(model, out) -> None:
     """transformers' GGUF loader on our Q8_0 file gives the logits of the checkpoint with our codec's round trip."""
     loaded = transformers_model(out)

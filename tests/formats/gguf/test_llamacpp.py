@@ -212,10 +212,15 @@ def test_smollm2_q4_k_m_falls_back_like_llama_quantize(smollm2, tmp_path, llama_
     assert abs(llamacpp_perplexity(ours, ids, ctx=512) / mine - 1) < 0.005
 
 
-@pytest.mark.parametrize("kind,overrides", [("qwen3", {"head_dim": 32}), ("phi3", {})], ids=["qwen3", "phi3"])
+@pytest.mark.parametrize(
+    "kind,overrides",
+    [("qwen3", {"head_dim": 32}), ("phi3", {}), ("gemma2", {"tie_word_embeddings": True, "query_pre_attn_scalar": 16})],
+    ids=["qwen3", "phi3", "gemma2"],
+)
 def test_llama_cpp_runs_our_file_of_another_architecture(tmp_path, tiny_tokenizer, llama_cpp_runs, kind, overrides):
-    """Qwen3 (per-head q/k RMS norms, head_dim 32 where hidden/heads is 16) and Phi-3 (fused q/k/v and gate/up),
-    both NEOX RoPE: llama.cpp's perplexity of our F16 file is within 0.5% of transformers' on the checkpoint."""
+    """Qwen3 (per-head q/k RMS norms, head_dim 32 where hidden/heads is 16), Phi-3 (fused q/k/v and gate/up) and
+    Gemma 2 (norms as 1 + w, four norms a block, logit soft-capping, scaled embeddings), all NEOX RoPE: llama.cpp's
+    perplexity of our F16 file is within 0.5% of transformers' on the checkpoint."""
     from transformers import AutoModelForCausalLM
 
     from architectures import save_architecture
@@ -228,3 +233,9 @@ def test_llama_cpp_runs_our_file_of_another_architecture(tmp_path, tiny_tokenize
     ours = evaluate(hf, torch.tensor(ids), ctx=256).perplexity
     theirs = llamacpp_perplexity(out, ids, ctx=256)
     assert abs(theirs / ours - 1) < 0.005, (theirs, ours)
+    # a random model's distributions are nearly uniform, so perplexity alone misses a wrong scale: the raw logits too
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids[:128]])).logits[0].double().numpy()
+    with llamacpp_model(out, 256) as llm:
+        got = np.asarray(llm.scores(ids[:128]), dtype=np.float64)
+    assert np.sqrt(np.mean((got - expected) ** 2)) < 0.01 * np.sqrt(np.mean(expected**2))
