@@ -38,7 +38,8 @@ from compress.engine.block_engine import Engine, Stage
 from compress.engine.ranks import Ranks
 from compress.errors import CompressError
 from compress.checkpoints.loading import load_tokenizer, resolve_device
-from compress.export.gguf import ExportConfig, ExportResult, GGUFMethod, _read_config, _tensor_plan, check_output, export_gguf
+from compress.export.gguf import ExportConfig, ExportResult, GGUFMethod, _tensor_plan, check_output, export_gguf
+from compress.export.gguf_arch import read_config
 from compress.formats.gguf.grids import is_block_quantized
 from compress.formats.gguf.sizes import GGMLType
 from compress.engine.methods.gguf import GGUFAWQ, GGUFGPTQ, GGUFAWQMethodConfig, GGUFGPTQMethodConfig
@@ -75,7 +76,7 @@ def solve_output_layer(handle, norm_name: str, hidden: list[torch.Tensor], solve
 
 def layer_types(model: Path, config: ExportConfig) -> dict[str, GGMLType]:
     """HF linear layer name -> its GGML type, for the block-quantized weights of the export plan."""
-    plan = _tensor_plan(CheckpointReader(model), _read_config(model), config.target, config.has_imatrix, config.types)
+    plan = _tensor_plan(CheckpointReader(model), read_config(model), config.target, config.has_imatrix, config.types)
     return {
         name.removesuffix(".weight"): kind
         for name, _, kind, shape in plan
@@ -94,7 +95,7 @@ def export_calibrated(
         raise CompressError(f"--method {method.value} needs no calibration: use export_gguf")
     if config.imatrix is not None:
         raise CompressError(f"--imatrix is for --method imatrix, not {method.value}: drop it")
-    _read_config(config.model)  # a llama-family, unquantized checkpoint, or a clear error
+    read_config(config.model)  # a llama-family, unquantized checkpoint, or a clear error
     check_output(config)
     # GPTQ's grids fitted with the Hessian diagonal as importance count as an imatrix for llama.cpp's mixes
     config = replace(config, importance_fit=method.solves and (gptq is None or gptq.weighted_fit))

@@ -44,6 +44,7 @@ from compress.checkpoints.model_io import open_model
 from compress.checkpoints.output import OutputLock, check_outside_input, disk_error, run_inputs
 from compress.checkpoints.shards import CheckpointReader
 from compress.errors import CompressError
+from compress.export.gguf_arch import ARCHITECTURES, NORM_SHIFT, PERMUTED_ARCHS, add_metadata, read_config
 from compress.formats.gguf import plan
 from compress.formats.gguf.codecs import encode_tensor
 from compress.formats.gguf.imatrix import read_imatrix
@@ -53,21 +54,6 @@ from compress.formats.gguf.vocab import add_vocab
 from compress.formats.gguf.writer import atomic_gguf_writer
 
 log = logging.getLogger(__name__)
-
-# HF model_type -> GGUF arch
-ARCHITECTURES = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2"}
-# What llama.cpp's converter does per GGUF arch, as data:
-# config.json key -> the GGUFWriter method that records it
-ARCH_EXTRA_KEYS = {
-    "phi3": {"original_max_position_embeddings": "add_rope_scaling_orig_ctx_len", "sliding_window": "add_sliding_window"},
-    "gemma2": {"attn_logit_softcapping": "add_attn_logit_softcapping", "final_logit_softcapping": "add_final_logit_softcapping",
-               "sliding_window": "add_sliding_window"},
-}
-KEY_LENGTH_ALWAYS = {"gemma2"}  # key/value length written even when it is hidden / heads
-NORM_SHIFT = {"gemma2": 1.0}  # added to every norm weight: Gemma's RMS norm scales by (1 + w), ggml's by w
-TIED_ONLY = {"gemma2"}  # llama.cpp reads the embeddings as the output layer: an untied lm_head has no place
-PERMUTED_ARCHS = {"llama"}  # GGML's llama uses interleaved (NORM) RoPE; qwen2 uses NEOX like HF
-
 
 class GGUFMethod(str, enum.Enum):
     """How the GGUF weights are rounded."""
@@ -155,63 +141,6 @@ class ExportResult:
 def permute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """HF rotate-half row order -> GGML interleaved pairs, per head (llama.cpp ``LlamaModel.permute``)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _read_config(model: Path) -> dict:
-    path = model / "config.json"
-    if not path.is_file():
-        raise CompressError(f"{model} has no config.json: point at a Hugging Face checkpoint directory")
-    config = json.loads(path.read_text())
-    kind = config.get("model_type")
-    if kind not in ARCHITECTURES:
-        raise CompressError(
-            f"GGUF export supports {', '.join(ARCHITECTURES)} checkpoints, not {kind!r}: convert other architectures with llama.cpp's convert_hf_to_gguf.py"
-        )
-    if config.get("quantization_config"):
-        raise CompressError(f"{model} is already quantized (quantization_config): export the original checkpoint")
-    arch = ARCHITECTURES[kind]
-    if arch in TIED_ONLY and not config.get("tie_word_embeddings", True):
-        raise CompressError(f"{model}: llama.cpp's {arch} uses the embeddings as the output layer, so an untied lm_head cannot be exported")
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    if "query_pre_attn_scalar" in config and config["query_pre_attn_scalar"] != head_dim:
-        raise CompressError(
-            f"{model}: query_pre_attn_scalar {config['query_pre_attn_scalar']} is not head_dim {head_dim}, "
-            "and llama.cpp scales queries by 1/sqrt(head_dim): such a model cannot be exported"
-        )
-    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
-    if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
-        raise CompressError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported by the GGUF export yet: export a model without rope_scaling")
-    return config
-
-
-def _rope_theta(config: dict) -> float:
-    rope = config.get("rope_parameters") or {}
-    return float(config.get("rope_theta", rope.get("rope_theta", 10000.0)))
-
-
-def _add_metadata(writer, arch: str, config: dict, target: Target) -> None:
-    hidden, heads = config["hidden_size"], config["num_attention_heads"]
-    head_dim = config.get("head_dim") or hidden // heads
-    writer.add_name(config.get("_name_or_path") or "model")
-    writer.add_context_length(config["max_position_embeddings"])
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(config["num_hidden_layers"])
-    writer.add_feed_forward_length(config["intermediate_size"])
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
-    writer.add_rope_freq_base(_rope_theta(config))
-    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
-    rope = config.get("rope_parameters") or {}
-    writer.add_rope_dimension_count(int(head_dim * config.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))))
-    for key, add in ARCH_EXTRA_KEYS.get(arch, {}).items():
-        if config.get(key):
-            getattr(writer, add)(config[key])
-    if head_dim != hidden // heads or arch in KEY_LENGTH_ALWAYS:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    writer.add_vocab_size(config["vocab_size"])
-    writer.add_file_type(plan.FILE_TYPE[target])
-    writer.add_quantization_version(2)
 
 
 def _shape(reader: CheckpointReader, name: str) -> list[int]:
@@ -326,7 +255,7 @@ def export_gguf(
     import gguf
 
     start = time.perf_counter()
-    hf = _read_config(config.model)
+    hf = read_config(config.model)
     arch = ARCHITECTURES[hf["model_type"]]
     out = config.output
     check_output(config)
@@ -337,7 +266,7 @@ def export_gguf(
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     result = ExportResult(out, config.target.value, arch)
     with _guarded_output(out, config.overwrite) as finish, atomic_gguf_writer(out, arch, finish) as writer:
-        _add_metadata(writer, arch, hf, config.target)
+        add_metadata(writer, arch, hf, config.target)
         writer.add_string(PROVENANCE_KEY, json.dumps(provenance(config), sort_keys=True))
         vocab = add_vocab(writer, config.model, hf["vocab_size"])
         result.notes.extend(vocab.notes)

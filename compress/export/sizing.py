@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from compress.export.gguf import ARCHITECTURES, ExportConfig, _add_metadata, _read_config, _tensor_plan
+from compress.export.gguf import ExportConfig, _tensor_plan
+from compress.export.gguf_arch import ARCHITECTURES, add_metadata, read_config
 from compress.checkpoints.shards import CheckpointReader
 from compress.formats.gguf.sizes import row_bytes
 from compress.formats.gguf.vocab import add_vocab
@@ -26,14 +27,14 @@ def fixed_gguf_bytes(config: ExportConfig, planned: set[str]) -> int:
     """File bytes of ``config``'s export outside the tensors named in ``planned`` (GGUF names)."""
     import gguf
 
-    hf = _read_config(config.model)
+    hf = read_config(config.model)
     arch = ARCHITECTURES[hf["model_type"]]
     entries = _tensor_plan(CheckpointReader(config.model), hf, config.target, config.has_imatrix, config.types)
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "header.gguf"
         writer = gguf.GGUFWriter(path, arch)
         try:
-            _add_metadata(writer, arch, hf, config.target)
+            add_metadata(writer, arch, hf, config.target)
             add_vocab(writer, config.model, hf["vocab_size"])
             for _, gname, kind, shape in entries:
                 rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1

@@ -94,10 +94,9 @@ _BLOCK_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 # per GGUF architecture: HF block names that map elsewhere (Gemma 2 norms the attention's and the MLP's
 # outputs too, so its post_attention_layernorm is not the MLP's input norm)
-_BLOCK_BY_ARCH = {
-    "gemma2": {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
-               "post_feedforward_layernorm": "post_ffw_norm"},
-}
+_GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+                "post_feedforward_layernorm": "post_ffw_norm"}
+_BLOCK_BY_ARCH = {"gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS}
 
 
 def gguf_name(hf_name: str, arch: str = "llama") -> str | None:

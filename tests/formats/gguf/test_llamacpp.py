@@ -214,18 +214,30 @@ def test_smollm2_q4_k_m_falls_back_like_llama_quantize(smollm2, tmp_path, llama_
 
 @pytest.mark.parametrize(
     "kind,overrides",
-    [("qwen3", {"head_dim": 32}), ("phi3", {}), ("gemma2", {"tie_word_embeddings": True, "query_pre_attn_scalar": 16})],
-    ids=["qwen3", "phi3", "gemma2"],
+    [("qwen3", {"head_dim": 32}), ("phi3", {}), ("gemma2", {"tie_word_embeddings": True, "query_pre_attn_scalar": 16}),
+     ("gemma3_text", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=512, bos_token_id=0, eos_token_id=0,
+                          pad_token_id=0))],
+    ids=["qwen3", "phi3", "gemma2", "gemma3"],
 )
 def test_llama_cpp_runs_our_file_of_another_architecture(tmp_path, tiny_tokenizer, llama_cpp_runs, kind, overrides):
     """Qwen3 (per-head q/k RMS norms, head_dim 32 where hidden/heads is 16), Phi-3 (fused q/k/v and gate/up) and
-    Gemma 2 (norms as 1 + w, four norms a block, logit soft-capping, scaled embeddings), all NEOX RoPE: llama.cpp's
-    perplexity of our F16 file is within 0.5% of transformers' on the checkpoint."""
+    Gemma 2 (norms as 1 + w, four norms a block, logit soft-capping, scaled embeddings) and Gemma 3 (q/k norms,
+    5 sliding-window layers of 6 with their own RoPE base: 7 blocks use both), all NEOX RoPE: llama.cpp's
+    perplexity of our F16 file is within 0.5% of transformers' on the checkpoint, and its raw logits agree."""
     from transformers import AutoModelForCausalLM
 
     from architectures import save_architecture
 
-    model = save_architecture(kind, tmp_path / kind, tiny_tokenizer, **overrides)
+    if kind == "gemma3_text":  # not among the engine's test architectures: built here
+        from transformers import AutoConfig
+
+        from conftest import save_random_model
+
+        config = AutoConfig.for_model(kind, vocab_size=len(tiny_tokenizer), **overrides)
+        model = save_random_model(config, tmp_path / kind, tiny_tokenizer)
+    else:
+        model = save_architecture(kind, tmp_path / kind, tiny_tokenizer, **overrides)
     out = tmp_path / f"{kind}-f16.gguf"
     export_gguf(ExportConfig(model, out, Target.f16))
     ids = tiny_tokenizer(EVAL_TEXT.read_text(encoding="utf-8"))["input_ids"][:1024]
@@ -238,4 +250,4 @@ def test_llama_cpp_runs_our_file_of_another_architecture(tmp_path, tiny_tokenize
         expected = hf(torch.tensor([ids[:128]])).logits[0].double().numpy()
     with llamacpp_model(out, 256) as llm:
         got = np.asarray(llm.scores(ids[:128]), dtype=np.float64)
-    assert np.sqrt(np.mean((got - expected) ** 2)) < 0.01 * np.sqrt(np.mean(expected**2))
+    assert np.sqrt(np.mean((got - expected) ** 2)) < 0.005 * np.sqrt(np.mean(expected**2))  # F16 weights: ~0.1 %

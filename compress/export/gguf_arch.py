@@ -1,0 +1,106 @@
+"""What a GGUF file must say about each architecture llama.cpp runs, as data (llama.cpp's ``conversion/*.py``).
+
+Per HF ``model_type``: its GGUF architecture; per GGUF architecture: the config keys llama.cpp's converter
+records (soft-capping, sliding windows, ...), whether head_dim is always recorded, the offset added to norm
+weights (Gemma's RMS norm scales by ``1 + w``, ggml's by ``w``), whether an untied output layer has a place, the
+layers that use the sliding window (``SWA_PATTERN``: llama.cpp's fixed pattern; a checkpoint with another is
+refused) and whether Q/K rows are permuted for GGML's interleaved RoPE. `read_config` checks a checkpoint
+against all of it; `add_metadata` writes the header keys.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from compress.errors import CompressError
+from compress.formats.gguf import plan
+from compress.formats.gguf.plan import Target
+
+# HF model_type -> GGUF arch
+ARCHITECTURES = {
+    "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
+    "gemma3_text": "gemma3",
+}
+# GGUF arch -> {config.json key: the GGUFWriter method that records it}
+ARCH_EXTRA_KEYS = {
+    "phi3": {"original_max_position_embeddings": "add_rope_scaling_orig_ctx_len", "sliding_window": "add_sliding_window"},
+    "gemma2": {"attn_logit_softcapping": "add_attn_logit_softcapping", "final_logit_softcapping": "add_final_logit_softcapping",
+               "sliding_window": "add_sliding_window"},
+    "gemma3": {"final_logit_softcapping": "add_final_logit_softcapping", "sliding_window": "add_sliding_window"},
+}
+KEY_LENGTH_ALWAYS = {"gemma2", "gemma3"}  # key/value length written even when it is hidden / heads
+NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}  # added to every norm weight (q/k norms included)
+TIED_ONLY = {"gemma2"}  # llama.cpp reads the embeddings as the output layer: an untied lm_head has no place
+SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp: layer i slides iff i % n < n - 1
+PERMUTED_ARCHS = {"llama"}  # GGML's llama uses interleaved (NORM) RoPE; the others NEOX, like HF
+
+
+def read_config(model: Path) -> dict:
+    """``model``'s config.json, or a one-line error naming what llama.cpp could not run as it is."""
+    path = model / "config.json"
+    if not path.is_file():
+        raise CompressError(f"{model} has no config.json: point at a Hugging Face checkpoint directory")
+    config = json.loads(path.read_text())
+    kind = config.get("model_type")
+    if kind not in ARCHITECTURES:
+        raise CompressError(
+            f"GGUF export supports {', '.join(ARCHITECTURES)} checkpoints, not {kind!r}: convert other architectures with llama.cpp's convert_hf_to_gguf.py"
+        )
+    if config.get("quantization_config"):
+        raise CompressError(f"{model} is already quantized (quantization_config): export the original checkpoint")
+    arch = ARCHITECTURES[kind]
+    if arch in TIED_ONLY and not config.get("tie_word_embeddings", True):
+        raise CompressError(f"{model}: llama.cpp's {arch} uses the embeddings as the output layer, so an untied lm_head cannot be exported")
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    if "query_pre_attn_scalar" in config and config["query_pre_attn_scalar"] != head_dim:
+        raise CompressError(
+            f"{model}: query_pre_attn_scalar {config['query_pre_attn_scalar']} is not head_dim {head_dim}, "
+            "and llama.cpp scales queries by 1/sqrt(head_dim): such a model cannot be exported"
+        )
+    for rope in rope_parameters(config).values():
+        if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
+            raise CompressError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported by the GGUF export yet: export a model without rope_scaling")
+    pattern, layer_types = SWA_PATTERN.get(arch), config.get("layer_types")
+    if pattern and layer_types:
+        expected = ["sliding_attention" if i % pattern < pattern - 1 else "full_attention" for i in range(len(layer_types))]
+        if layer_types != expected:
+            raise CompressError(f"{model}: llama.cpp's {arch} slides the window on {pattern - 1} of every {pattern} layers, this model's layer_types differ")
+    return config
+
+
+def rope_parameters(config: dict) -> dict[str, dict]:
+    """RoPE settings of full and sliding-window attention layers (one dict for both unless the model has two)."""
+    rope = config.get("rope_scaling") or config.get("rope_parameters") or {}
+    if "full_attention" in rope or "sliding_attention" in rope:
+        return {kind: rope.get(kind) or {} for kind in ("full_attention", "sliding_attention")}
+    return {"full_attention": rope, "sliding_attention": rope}
+
+
+def add_metadata(writer, arch: str, config: dict, target: Target) -> None:
+    hidden, heads = config["hidden_size"], config["num_attention_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    writer.add_name(config.get("_name_or_path") or "model")
+    writer.add_context_length(config["max_position_embeddings"])
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(config["num_hidden_layers"])
+    writer.add_feed_forward_length(config["intermediate_size"])
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
+    rope = rope_parameters(config)
+    theta = float(config.get("rope_theta", rope["full_attention"].get("rope_theta", 10000.0)))
+    writer.add_rope_freq_base(theta)
+    if rope["sliding_attention"].get("rope_theta", theta) != theta:  # Gemma 3: its own base for local layers
+        writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    rotary = config.get("partial_rotary_factor", rope["full_attention"].get("partial_rotary_factor", 1.0))
+    writer.add_rope_dimension_count(int(head_dim * rotary))
+    for key, add in ARCH_EXTRA_KEYS.get(arch, {}).items():
+        if config.get(key):
+            getattr(writer, add)(config[key])
+    if head_dim != hidden // heads or arch in KEY_LENGTH_ALWAYS:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    writer.add_vocab_size(config["vocab_size"])
+    writer.add_file_type(plan.FILE_TYPE[target])
+    writer.add_quantization_version(2)
