@@ -36,7 +36,7 @@ import torch
 from compress.formats.gguf import grids
 from compress.formats.gguf.codecs import decode_tensor, encode_tensor
 from compress.formats.gguf.sizes import GGMLType
-from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, proxy_loss, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, layer_errors, solver_inputs
 from compress.quantizers.threads import one_thread
 
 
@@ -162,10 +162,9 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
     Q = torch.from_numpy(decode_tensor(data, kind, cols))
     W0, H0 = weight.detach().cpu().float(), hessian.detach().cpu().float()
     rtn = torch.from_numpy(decode_tensor(encode_tensor(W0.numpy(), kind), kind, cols))
-    # `layer_error` for both, with tr(W H Wᵀ) computed once
-    base, error, rtn_error = (proxy_loss(d, H0) for d in (W0, W0 - Q, W0 - rtn))
+    (error, rel_error), (_, rtn_rel_error) = layer_errors(W0, [Q, rtn], H0)
     stats = {
-        "error": error, "rel_error": error / base if base > 0 else 0.0, "rtn_rel_error": rtn_error / base if base > 0 else 0.0,
+        "error": error, "rel_error": rel_error, "rtn_rel_error": rtn_rel_error,
         "damp": damp, "damp_retries": retries, "dead_columns": int(dead.sum()),
     }
     return GGUFQuantResult(Q.to(weight.device), data, kind, stats)

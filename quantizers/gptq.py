@@ -193,9 +193,15 @@ def proxy_loss(delta: torch.Tensor, H: torch.Tensor) -> float:
 
 def layer_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> tuple[float, float]:
     """GPTQ's proxy ``tr((W − Q) H (W − Q)ᵀ)`` and its ratio to ``tr(W H Wᵀ)`` (float32 inputs)."""
+    return layer_errors(weight, [quantized], hessian)[0]
+
+
+def layer_errors(weight: torch.Tensor, quantized: list[torch.Tensor], hessian: torch.Tensor) -> list[tuple[float, float]]:
+    """`layer_error` of several quantizations of one layer, ``tr(W H Wᵀ)`` computed once (a full product)."""
     W, H = weight.float(), hessian.float()
-    error, base = proxy_loss(W - quantized.float(), H), proxy_loss(W, H)
-    return error, error / base if base > 0 else 0.0
+    base = proxy_loss(W, H)
+    errors = [proxy_loss(W - q.float(), H) for q in quantized]
+    return [(error, error / base if base > 0 else 0.0) for error in errors]
 
 
 def inverse_hessian_factor(
