@@ -145,7 +145,8 @@ def allocate_command(
     as_json: bool = JSON_OPT,
 ) -> None:
     """Choose one candidate per layer: the lowest predicted KLD under a size budget (or the smallest size under a KLD ceiling)."""
-    from compress.run.plan import allocate, load_sensitivity, parse_size, save_plan
+    from compress.checkpoints.sizes import parse_size
+    from compress.run.plan import allocate, load_sensitivity, save_plan
 
     sens = load_sensitivity(sensitivity)
     fixed_bytes = parse_size(fixed) if fixed is not None else 0

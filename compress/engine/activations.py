@@ -20,6 +20,12 @@ from typing import Iterator
 import torch
 
 
+def scratch_beside(output: Path) -> Path | None:
+    """Where a run writing ``output`` keeps block inputs beyond its budget: the output's folder (the disk the
+    output goes to, not a possibly memory-backed system temporary folder), else the system's temporary folder."""
+    return output.parent if output.parent.is_dir() else None
+
+
 @dataclass(frozen=True)
 class _OnDisk:
     offset: int

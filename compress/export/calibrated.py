@@ -34,6 +34,7 @@ import torch
 from compress.checkpoints.architecture import FINAL_NORMS
 from compress.checkpoints.calibration import load_calibration
 from compress.checkpoints.shards import CheckpointReader, DiscardingWriter, ShardedWriter
+from compress.engine.activations import scratch_beside
 from compress.engine.block_engine import Engine, Stage
 from compress.engine.ranks import Ranks
 from compress.errors import CompressError
@@ -117,7 +118,7 @@ def export_calibrated(
     ranks = Ranks.from_environment(device)  # under a launcher: data-parallel calibration, weight-parallel solves
     engine = Engine(handle, stages, device, batch_size=calibration.batch_size, progress=progress, keep_final_hidden=head is not None,
                     ranks=ranks, activation_memory=calibration.activation_memory,
-                    scratch=config.output.parent if config.output.parent.is_dir() else None)
+                    scratch=scratch_beside(config.output))
     windows = load_calibration(
         calibration.path, load_tokenizer(config.model), calibration.samples, calibration.seq_len, calibration.seed
     )

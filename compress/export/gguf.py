@@ -1,15 +1,16 @@
 """Export a llama-family checkpoint to one GGUF file that llama.cpp loads.
 
-What is written (ggml ``docs/gguf.md``; llama.cpp ``conversion/llama.py``, ``conversion/qwen.py``):
+What is written (ggml ``docs/gguf.md``; llama.cpp ``conversion/*.py``):
 
-- metadata: ``general.architecture`` (``llama`` for llama and mistral, ``qwen2`` for qwen2), context
-  length, widths, head counts, RoPE base and dimension, RMS-norm epsilon, vocab size, file type and
-  ``general.quantization_version = 2``; the tokenizer (`compress.formats.gguf.vocab`);
+- metadata: ``general.architecture`` and what llama.cpp's converter records for it (context length,
+  widths, head counts, RoPE base and dimension, RMS-norm epsilon, soft-capping, sliding window: the data in
+  `compress.export.gguf_arch`), vocab size, file type and ``general.quantization_version = 2``; the
+  tokenizer (`compress.formats.gguf.vocab`);
 - tensors, under GGUF names, one at a time from the checkpoint (`CheckpointReader`): 1-D tensors (norms,
-  biases) as F32, every weight matrix in the type `plan.tensor_type` assigns. For the ``llama`` arch,
-  ``attn_q``/``attn_k`` rows are permuted from HF's rotate-half RoPE layout to GGML's interleaved pairs
-  (``LlamaModel.permute``) before encoding; qwen2 uses NEOX RoPE and needs none. Tied embeddings: no
-  ``output.weight`` is written, which llama.cpp and transformers both read as tied.
+  biases) as F32 (Gemma's norms shifted by 1), every weight matrix in the type `plan.tensor_type` assigns. For
+  the ``llama`` arch, ``attn_q``/``attn_k`` rows are permuted from HF's rotate-half RoPE layout to GGML's
+  interleaved pairs (``LlamaModel.permute``) before encoding; the NEOX-RoPE archs need none. Tied
+  embeddings: no ``output.weight`` is written, which llama.cpp and transformers both read as tied.
 
 With an imatrix file (llama.cpp's format, e.g. from `compress imatrix`), each weight with an entry is
 rounded by ggml's importance-weighted quantizers (``llama-quantize --imatrix``), and the file records
@@ -54,6 +55,7 @@ from compress.formats.gguf.vocab import add_vocab
 from compress.formats.gguf.writer import atomic_gguf_writer
 
 log = logging.getLogger(__name__)
+
 
 class GGUFMethod(str, enum.Enum):
     """How the GGUF weights are rounded."""

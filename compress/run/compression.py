@@ -13,6 +13,7 @@ from compress.checkpoints.calibration import load_calibration
 from compress.checkpoints.conversion import RenamingWriter
 from compress.checkpoints.experts import expert_layers
 from compress.checkpoints.shards import DiscardingWriter, ShardedWriter
+from compress.engine.activations import scratch_beside
 from compress.engine.block_engine import Engine, EngineResult, LayerFn, ProgressFn, Stage
 from compress.engine.journal import BlockJournal, check_resumable, fingerprint
 from compress.engine.ranks import Ranks
@@ -168,11 +169,6 @@ def _write_quantization_config(directory: Path, quantization_config: dict[str, A
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
-def _scratch(output: Path) -> Path | None:
-    """Where block inputs beyond the memory budget wait: beside the output (its disk), else the system's temporary folder."""
-    return output.parent if output.parent.is_dir() else None
-
-
 def run_stages(
     recipe: Recipe, progress: ProgressFn | None = None, command: str | None = None, on_layer: LayerFn | None = None
 ) -> RunResult:
@@ -209,7 +205,7 @@ def run_stages(
     engine = Engine(
         handle, stages, device, batch_size=cal.batch_size if cal else 8, progress=progress, on_layer=on_layer, packer=packer,
         observer=observer, all_experts=cal.all_experts if cal else True, ranks=ranks,
-        activation_memory=cal.activation_memory if cal else None, scratch=_scratch(recipe.output.path),
+        activation_memory=cal.activation_memory if cal else None, scratch=scratch_beside(recipe.output.path),
     )
     calibration = None
     if cal is not None:  # loaded even when unused, so a bad calibration set fails early and clearly

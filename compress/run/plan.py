@@ -28,13 +28,15 @@ from typing import Any
 import yaml
 from pydantic import BaseModel, ConfigDict, model_validator
 
-from compress.checkpoints.sizes import parse_size  # noqa: F401 - callers import it from here too
+from compress.checkpoints.sizes import parse_size
 from compress.errors import CompressError
 from compress.formats.candidates import parse_candidate
 from compress.quantizers.allocation import minimize_cost, minimize_size
 
 SENSITIVITY_FORMAT = "llm-compress sensitivity 1"
 PLAN_FORMAT = "llm-compress plan 1"
+
+
 def read_json(path: Path, what: str) -> dict[str, Any]:
     if not path.is_file():
         raise CompressError(f"{what} {path} does not exist: give the file `compress measure` or `compress allocate` wrote")
