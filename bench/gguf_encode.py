@@ -21,7 +21,7 @@ import numpy as np
 
 from compress.export.gguf import ExportConfig, export_gguf
 from compress.formats.gguf.codecs import encode_tensor
-from compress.formats.gguf.plan import FILE_TYPE, Target
+from compress.formats.gguf.plan import FILE_TYPE, PRESETS, Target
 from compress.formats.gguf.sizes import GGMLType
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,10 +45,11 @@ def ours(matrices, kind: GGMLType) -> tuple[float, dict[str, bytes]]:
 
 
 def llama_cpp_quantize(src: Path, dst: Path, target: Target, threads: int) -> float:
-    """Seconds ``llama_model_quantize --pure`` took (run in a child process: a crash there is one line)."""
+    """Seconds ``llama_model_quantize`` took (run in a child process: a crash there is one line); ``--pure``
+    (every matrix in the target's type) unless the target is one of llama.cpp's mixes (q4_k_m ...)."""
     from compress.eval.llama_cpp_worker import quantize
 
-    return quantize(src, dst, FILE_TYPE[target], pure=True, threads=threads)
+    return quantize(src, dst, FILE_TYPE[target], pure=target not in PRESETS, threads=threads)
 
 
 def main() -> None:

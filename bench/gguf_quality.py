@@ -6,9 +6,10 @@
         [--rounded-input] [--workdir DIR] [--json PATH]
 
 Protocol. The model is exported once as an F16 GGUF (our exporter). Per type, every method writes one
-file in which every matrix has that type (token_embd and output included):
-- ``llama.cpp``: ``llama_model_quantize`` (llama-cpp-python) of the F16 file, ``pure`` set;
-- ``llama.cpp+imatrix``: the built ``llama-quantize --pure --imatrix`` of the F16 file, the imatrix from
+file in which every matrix has that type (token_embd and output included), or for llama.cpp's mixes
+(q4_k_m, q3_k_m, ...) the mix's types, which ours and llama.cpp's quantizer choose by the same rule:
+- ``llama.cpp``: ``llama_model_quantize`` (llama-cpp-python) of the F16 file, ``pure`` set except for mixes;
+- ``llama.cpp+imatrix``: the built ``llama-quantize [--pure] --imatrix`` of the F16 file, the imatrix from
   the built ``llama-imatrix`` on the F16 file over the first ``samples`` windows of ``seq-len`` tokens of
   the calibration text (no BOS: the file's ``add_bos_token`` is false);
 - ``rtn``, ``imatrix``, ``gptq``, ``awq``, ``awq-gptq``: ``compress export --method M`` (the calibrated ones with
@@ -40,7 +41,7 @@ from gguf_imatrix_check import ASSETS, TYPES, Rejected, calibration_windows, exp
 from llama_cpp_tools import llama_imatrix, llama_quantize
 
 from compress.eval.report import GGUFBackend, Protocol, evaluate_outputs
-from compress.formats.gguf.plan import FILE_TYPE, Target
+from compress.formats.gguf.plan import FILE_TYPE, PRESETS, Target
 
 OURS = ["rtn", "imatrix", "gptq", "awq", "awq-gptq"]
 METHODS = ["llama.cpp", "llama.cpp+imatrix", *OURS]
@@ -77,7 +78,7 @@ def with_llama_cpp(setup: Setup, kind: str, dst: Path) -> None:
 
 def with_llama_cpp_imatrix(setup: Setup, kind: str, dst: Path) -> None:
     llama_quantize(setup.f16, dst, FILE_TYPE[Target(kind)], setup.llama_imatrix(), setup.threads,
-                   dst.with_suffix(".log"))
+                   dst.with_suffix(".log"), pure=Target(kind) not in PRESETS)
 
 
 def with_ours(method: str) -> Callable[[Setup, str, Path], None]:

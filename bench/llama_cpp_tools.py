@@ -119,11 +119,12 @@ def _run(command: list[str], log: Path | None) -> None:
 
 
 def llama_quantize(src: Path, dst: Path, ftype: int, imatrix: Path | None = None, threads: int = 2,
-                   log: Path | None = None) -> None:
-    """``llama-quantize --pure [--imatrix F] SRC DST FTYPE``: every matrix, token_embd and output included,
-    in the file type's base type (``ftype``: llama.cpp's ``LLAMA_FTYPE_*`` number, e.g. 14 for Q4_K_S)."""
-    extra = ["--imatrix", str(imatrix)] if imatrix is not None else []
-    _run([str(tool("llama-quantize")), "--pure", *extra, str(src), str(dst), str(ftype), str(threads)], log)
+                   log: Path | None = None, pure: bool = True) -> None:
+    """``llama-quantize [--pure] [--imatrix F] SRC DST FTYPE``. ``pure``: every matrix, token_embd and output
+    included, in the file type's base type (``ftype``: llama.cpp's ``LLAMA_FTYPE_*`` number, e.g. 14 for
+    Q4_K_S); otherwise llama.cpp's own mix for that file type (e.g. Q4_K_M's Q6_K layers)."""
+    extra = (["--pure"] if pure else []) + (["--imatrix", str(imatrix)] if imatrix is not None else [])
+    _run([str(tool("llama-quantize")), *extra, str(src), str(dst), str(ftype), str(threads)], log)
 
 
 def llama_imatrix(model: Path, text: Path, out: Path, ctx: int = 512, chunks: int = -1, threads: int = 2,
