@@ -5,7 +5,7 @@
         [--text eval/assets/shakespeare-test-slice.txt --ctx 512 --max-tokens 4096] [--json PATH]
 
 Each row is a recipe (its stages below) run as ``python -m compress.cli run RECIPE``: the code path users
-take, one process per row, so the peak RSS is that run's own (``os.wait4``) and the wall time includes
+take, one process per row, so the peak RSS is that run's own (its VmHWM) and the wall time includes
 loading and writing. Each output is then scored against the model by `evaluate_outputs` (perplexity and
 mean per-token KLD on the held-out text) and removed. With several ``--seeds`` (the calibration windows'
 sampling seed) every row runs once per seed and the table shows the mean KLD and its range: on a small
@@ -74,15 +74,17 @@ def run_row(stages: list[dict], model: Path, out: Path, calibration: dict, threa
     path.write_text(yaml.safe_dump(recipe))
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     start = time.perf_counter()
-    child = subprocess.Popen([sys.executable, "-m", "compress.cli", "run", str(path)], env=env,
-                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    stderr = child.stderr.read()
-    _, status, usage = os.wait4(child.pid, 0)
+    # The child records its own peak (VmHWM) as it exits: a child's ru_maxrss would include this process's
+    # memory at the fork, which after the first evaluation is larger than a quantization run's.
+    peak = out.parent / "peak-rss"
+    record = (f"import atexit, runpy, sys; atexit.register(lambda: open({str(peak)!r}, 'w').write("
+              "next(l for l in open('/proc/self/status') if l.startswith('VmHWM')))); "
+              f"sys.argv = ['compress', 'run', {str(path)!r}]; runpy.run_module('compress.cli', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", record], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     seconds = time.perf_counter() - start
-    child.returncode = os.waitstatus_to_exitcode(status)
-    if child.returncode != 0:
-        raise RuntimeError(f"compress run failed ({child.returncode}): {stderr.decode()[-2000:]}")
-    return seconds, usage.ru_maxrss / 2**20  # ru_maxrss is in KiB on Linux
+    if done.returncode != 0:
+        raise RuntimeError(f"compress run failed ({done.returncode}): {done.stderr.decode()[-2000:]}")
+    return seconds, int(peak.read_text().split()[1]) / 2**20  # VmHWM: "VmHWM:  123456 kB"
 
 
 def main() -> None:
