@@ -1,4 +1,4 @@
-"""Export a llama-family checkpoint to one GGUF file that llama.cpp loads.
+"""Export a checkpoint (llama, mistral, qwen2/3, phi3, gemma2/3, gpt2) to one GGUF file that llama.cpp loads.
 
 What is written (ggml ``docs/gguf.md``; llama.cpp ``conversion/*.py``):
 
@@ -45,7 +45,7 @@ from compress.checkpoints.model_io import open_model
 from compress.checkpoints.output import OutputLock, check_outside_input, disk_error, run_inputs
 from compress.checkpoints.shards import CheckpointReader
 from compress.errors import CompressError
-from compress.export.gguf_arch import ARCHITECTURES, NORM_SHIFT, PERMUTED_ARCHS, add_metadata, read_config
+from compress.export.gguf_arch import ARCHITECTURES, NORM_SHIFT, PERMUTED_ARCHS, TRANSPOSED_ARCHS, add_metadata, read_config
 from compress.formats.gguf import plan
 from compress.formats.gguf.codecs import encode_tensor
 from compress.formats.gguf.imatrix import read_imatrix
@@ -151,6 +151,11 @@ def _shape(reader: CheckpointReader, name: str) -> list[int]:
     return list(entry[1]["shape"]) if entry else list(reader.get(name).shape)
 
 
+def _transposed(arch: str, gname: str, shape: list[int]) -> bool:
+    """Stored ``[in, out]`` (GPT-2's Conv1D): written transposed, one GGUF row per output."""
+    return arch in TRANSPOSED_ARCHS and gname.startswith("blk.") and len(shape) == 2
+
+
 def _gqa(config: dict) -> int:
     heads = config["num_attention_heads"]
     return heads // (config.get("num_key_value_heads") or heads)
@@ -162,13 +167,15 @@ def _tensor_plan(
     """(hf name, gguf name, type, torch shape) for every tensor to write, in llama.cpp's order; ``types``
     (GGUF name -> type, already fitted to the row length) overrides ``target``'s choice per tensor."""
     shapes = {}
+    arch = ARCHITECTURES[config["model_type"]]
     for name in reader.names():
-        gname = plan.gguf_name(name, ARCHITECTURES[config["model_type"]])
+        gname = plan.gguf_name(name, arch)
         if gname is None:
-            if not name.endswith("rotary_emb.inv_freq"):
+            if not name.endswith(("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")):  # buffers
                 log.warning("tensor %s has no GGUF counterpart; skipped", name)
             continue
-        shapes[name] = (gname, _shape(reader, name))
+        shape = _shape(reader, name)
+        shapes[name] = (gname, shape[::-1] if _transposed(arch, gname, shape) else shape)
     tied = "lm_head.weight" not in shapes or config.get("tie_word_embeddings", False)
     if tied:
         shapes.pop("lm_head.weight", None)
@@ -305,6 +312,8 @@ def export_gguf(
                 rows = torch.from_numpy(given[1])  # rows of bytes permute like rows of weights
             else:
                 rows = reader.get(name).to(torch.float32)
+                if _transposed(arch, gname, shape):
+                    rows = rows.t().contiguous()
                 if gname.endswith("norm.weight") and arch in NORM_SHIFT:
                     rows = rows + NORM_SHIFT[arch]
             if arch in PERMUTED_ARCHS and gname.startswith("blk.") and gname.split(".")[2] in ("attn_q", "attn_k"):

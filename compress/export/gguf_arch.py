@@ -4,7 +4,8 @@ Per HF ``model_type``: its GGUF architecture; per GGUF architecture: the config 
 records (soft-capping, sliding windows, ...), whether head_dim is always recorded, the offset added to norm
 weights (Gemma's RMS norm scales by ``1 + w``, ggml's by ``w``), whether an untied output layer has a place, the
 layers that use the sliding window (``SWA_PATTERN``: llama.cpp's fixed pattern; a checkpoint with another is
-refused) and whether Q/K rows are permuted for GGML's interleaved RoPE. `read_config` checks a checkpoint
+refused), whether Q/K rows are permuted for GGML's interleaved RoPE, and GPT-2's differences (its own config
+keys, LayerNorm without RoPE, block weights stored transposed). `read_config` checks a checkpoint
 against all of it; `add_metadata` writes the header keys.
 """
 
@@ -20,7 +21,12 @@ from compress.formats.gguf.plan import Target
 # HF model_type -> GGUF arch
 ARCHITECTURES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
-    "gemma3_text": "gemma3",
+    "gemma3_text": "gemma3", "gpt2": "gpt2",
+}
+# HF model_type -> {the key every other family uses: its own config.json key} (GPT-2 predates the common names)
+CONFIG_ALIASES = {
+    "gpt2": {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
+             "max_position_embeddings": "n_positions", "intermediate_size": "n_inner", "layer_norm_eps": "layer_norm_epsilon"},
 }
 # GGUF arch -> {config.json key: the GGUFWriter method that records it}
 ARCH_EXTRA_KEYS = {
@@ -34,6 +40,10 @@ NORM_SHIFT = {"gemma2": 1.0, "gemma3": 1.0}  # added to every norm weight (q/k n
 TIED_ONLY = {"gemma2"}  # llama.cpp reads the embeddings as the output layer: an untied lm_head has no place
 SWA_PATTERN = {"gemma2": 2, "gemma3": 6}  # llama.cpp: layer i slides iff i % n < n - 1
 PERMUTED_ARCHS = {"llama"}  # GGML's llama uses interleaved (NORM) RoPE; the others NEOX, like HF
+# HF model_type -> (config key, the values llama.cpp computes): its GPT-2 graph has the tanh-approximated GELU
+ACTIVATIONS = {"gpt2": ("activation_function", ("gelu_new", "gelu_pytorch_tanh"))}
+LAYER_NORM_ARCHS = {"gpt2"}  # LayerNorm (eps key attention.layer_norm_epsilon), learned positions: no RoPE keys
+TRANSPOSED_ARCHS = {"gpt2"}  # block weights stored [in, out] (transformers' Conv1D); GGUF rows are outputs
 
 
 def read_config(model: Path) -> dict:
@@ -47,6 +57,14 @@ def read_config(model: Path) -> dict:
         raise CompressError(
             f"GGUF export supports {', '.join(ARCHITECTURES)} checkpoints, not {kind!r}: convert other architectures with llama.cpp's convert_hf_to_gguf.py"
         )
+    for key, alias in CONFIG_ALIASES.get(kind, {}).items():
+        config.setdefault(key, config.get(alias))
+    if kind == "gpt2":
+        config["intermediate_size"] = config["intermediate_size"] or 4 * config["hidden_size"]  # n_inner: null
+    if kind in ACTIVATIONS:
+        key, supported = ACTIVATIONS[kind]
+        if config.get(key, supported[0]) not in supported:
+            raise CompressError(f"{model}: llama.cpp's {ARCHITECTURES[kind]} computes {supported[0]}, not this model's {key} {config[key]!r}: it cannot be exported")
     if config.get("quantization_config"):
         raise CompressError(f"{model} is already quantized (quantization_config): export the original checkpoint")
     arch = ARCHITECTURES[kind]
@@ -87,14 +105,10 @@ def add_metadata(writer, arch: str, config: dict, target: Target) -> None:
     writer.add_feed_forward_length(config["intermediate_size"])
     writer.add_head_count(heads)
     writer.add_head_count_kv(config.get("num_key_value_heads") or heads)
-    rope = rope_parameters(config)
-    theta = float(config.get("rope_theta", rope["full_attention"].get("rope_theta", 10000.0)))
-    writer.add_rope_freq_base(theta)
-    if rope["sliding_attention"].get("rope_theta", theta) != theta:  # Gemma 3: its own base for local layers
-        writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
-    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
-    rotary = config.get("partial_rotary_factor", rope["full_attention"].get("partial_rotary_factor", 1.0))
-    writer.add_rope_dimension_count(int(head_dim * rotary))
+    if arch in LAYER_NORM_ARCHS:
+        writer.add_layer_norm_eps(config["layer_norm_eps"])
+    else:
+        _add_rope_and_rms(writer, config, head_dim)
     for key, add in ARCH_EXTRA_KEYS.get(arch, {}).items():
         if config.get(key):
             getattr(writer, add)(config[key])
@@ -104,3 +118,14 @@ def add_metadata(writer, arch: str, config: dict, target: Target) -> None:
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(plan.FILE_TYPE[target])
     writer.add_quantization_version(2)
+
+
+def _add_rope_and_rms(writer, config: dict, head_dim: int) -> None:
+    rope = rope_parameters(config)
+    theta = float(config.get("rope_theta", rope["full_attention"].get("rope_theta", 10000.0)))
+    writer.add_rope_freq_base(theta)
+    if rope["sliding_attention"].get("rope_theta", theta) != theta:  # Gemma 3: its own base for local layers
+        writer.add_rope_freq_base_swa(float(rope["sliding_attention"]["rope_theta"]))
+    writer.add_layer_norm_rms_eps(config.get("rms_norm_eps", 1e-6))
+    rotary = config.get("partial_rotary_factor", rope["full_attention"].get("partial_rotary_factor", 1.0))
+    writer.add_rope_dimension_count(int(head_dim * rotary))

@@ -18,9 +18,11 @@ from typing import Callable
 import numpy as np
 import torch
 
+from compress.checkpoints.model_io import QUANTIZABLE_TYPES
 from compress.engine.ranks import Ranks
 from compress.errors import CompressError
 from compress.formats.gguf.imatrix import Imatrix, ImatrixEntry, write_imatrix
+from compress.export.gguf_arch import ARCHITECTURES
 from compress.formats.gguf.plan import gguf_name
 
 
@@ -50,10 +52,11 @@ def collect_imatrix(model, windows: torch.Tensor, process_output: bool = False,
             entry.count += x.shape[0]
         return accumulate
 
+    arch = ARCHITECTURES.get(model.config.model_type, "llama")
     for module_name, module in model.named_modules():
-        if not isinstance(module, torch.nn.Linear):
+        if not isinstance(module, QUANTIZABLE_TYPES):  # nn.Linear, GPT-2's Conv1D
             continue
-        name = gguf_name(f"{module_name}.weight")
+        name = gguf_name(f"{module_name}.weight", arch)
         if name is None or (name == "output.weight" and not process_output):
             continue
         hooks.append(module.register_forward_pre_hook(hook(name)))
@@ -85,7 +88,7 @@ def run_imatrix(config: ImatrixConfig, progress: Callable[[str, int, int], None]
         entries = collect_imatrix(model, ranks.local_share(windows), config.process_output, on_step)
         combine_entries(entries, ranks)
     if not entries:
-        raise CompressError(f"no llama-family linear layers found in {config.model}: imatrix supports the GGUF export's architectures")
+        raise CompressError(f"no linear layers with a GGUF name found in {config.model}: imatrix supports the GGUF export's architectures")
     summary = {"output": str(config.output), "entries": len(entries), "chunks": int(windows.shape[0]),
                "chunk_size": int(windows.shape[1])}
     if not ranks.main:  # the main process writes the file

@@ -19,7 +19,7 @@ llama.cpp's ``llama-quantize --pure``. Mixed presets follow ``llama_tensor_get_t
 Either way a type whose block does not divide the row length falls back as llama.cpp's
 ``tensor_type_fallback`` does (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS ->
 IQ4_NL, IQ3_S -> IQ4_NL, then F16).
-1-D tensors (norms, biases) are always F32.
+1-D tensors (norms, biases) and GPT-2's position embeddings are always F32.
 """
 
 from __future__ import annotations
@@ -98,14 +98,27 @@ _GEMMA_NORMS = {"post_attention_layernorm": "post_attention_norm", "pre_feedforw
                 "post_feedforward_layernorm": "post_ffw_norm"}
 _BLOCK_BY_ARCH = {"gemma2": _GEMMA_NORMS, "gemma3": _GEMMA_NORMS}
 
+# GPT-2 (gguf-py MODEL_TENSORS[GPT2]): other names altogether; checkpoints name it with or without "transformer."
+_GPT2_TOP = {
+    "wte.weight": "token_embd.weight", "wpe.weight": "position_embd.weight",
+    "ln_f.weight": "output_norm.weight", "ln_f.bias": "output_norm.bias",
+}
+_GPT2_BLOCK = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "attn_output", "ln_2": "ffn_norm",
+               "mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}
+_GPT2_BLOCK_RE = re.compile(r"(?:transformer\.)?h\.(\d+)\.(.+)\.(weight|bias)$")
+_NAMES = {"gpt2": ({**_GPT2_TOP, **{f"transformer.{k}": v for k, v in _GPT2_TOP.items()}, "lm_head.weight": "output.weight"},
+                   _GPT2_BLOCK_RE, _GPT2_BLOCK)}
+# Kept in float32 whatever the target, as llama.cpp's converter writes and llama-quantize keeps them.
+ALWAYS_F32 = ("position_embd.weight",)
+
 
 def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
-    """The GGUF tensor name of an HF parameter of a llama-like model of GGUF architecture ``arch``; None for
-    buffers GGUF does not store."""
-    if hf_name in _TOP:
-        return _TOP[hf_name]
-    m = _BLOCK_RE.match(hf_name)
-    block = {**_BLOCK, **_BLOCK_BY_ARCH.get(arch, {})}
+    """The GGUF tensor name of an HF parameter of a model of GGUF architecture ``arch``; None for buffers
+    GGUF does not store."""
+    top, block_re, block = _NAMES.get(arch, (_TOP, _BLOCK_RE, {**_BLOCK, **_BLOCK_BY_ARCH.get(arch, {})}))
+    if hf_name in top:
+        return top[hf_name]
+    m = block_re.match(hf_name)
     if m and m.group(2) in block:
         return f"blk.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
     return None
@@ -158,7 +171,7 @@ def intended_type(target: Target, name: str, shape: tuple[int, ...], n_layers: i
                   has_imatrix: bool = False) -> GGMLType:
     """The GGML type ``target`` gives GGUF tensor ``name`` before any fallback for its row length.
     ``n_gqa``: query heads per KV head; ``has_imatrix``: the weights get an importance-weighted fit."""
-    if len(shape) < 2:
+    if len(shape) < 2 or name in ALWAYS_F32:
         return G.F32
     base = BASE[target]
     return _mixed(target, name, base, shape[-1], n_layers, tied, n_gqa, has_imatrix) if target in PRESETS else base

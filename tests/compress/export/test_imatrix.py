@@ -33,6 +33,24 @@ def test_first_block_entries_are_squared_normed_embeddings(tiny_llama):
     assert entries["blk.1.ffn_down.weight"].in_sum2.shape == (model.config.intermediate_size,)
 
 
+def test_gpt2_entries_under_its_gguf_names(tiny_tokenizer):
+    """GPT-2's Conv1D layers are found under llama.cpp's gpt2 names; blk.0's attn_qkv reads LayerNorm(token +
+    position embeddings), computed here by the textbook formula."""
+    from architectures import random_model
+
+    model = random_model("gpt2", len(tiny_tokenizer))
+    ids = torch.randint(0, len(tiny_tokenizer), (2, 30), generator=torch.Generator().manual_seed(1))
+    entries = collect_imatrix(model, ids)
+    t = model.transformer
+    h = (t.wte.weight[ids] + t.wpe.weight[:30]).detach().double().reshape(-1, 64)
+    ln = t.h[0].ln_1
+    x = (h - h.mean(-1, keepdim=True)) / torch.sqrt(h.var(-1, unbiased=False, keepdim=True) + ln.eps)
+    x = x * ln.weight.detach().double() + ln.bias.detach().double()
+    np.testing.assert_allclose(entries["blk.0.attn_qkv.weight"].in_sum2, (x * x).sum(0).numpy(), rtol=1e-5)
+    assert sorted(n.split(".", 2)[2] for n in entries if n.startswith("blk.1.")) == [
+        "attn_output.weight", "attn_qkv.weight", "ffn_down.weight", "ffn_up.weight"]
+
+
 def test_file_layout_is_llama_cpps(tmp_path):
     from gguf import GGUFReader, GGUFValueType
 

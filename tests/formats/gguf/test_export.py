@@ -32,20 +32,26 @@ def hf_with_decoded_weights(model_dir, target: Target):
     from compress.formats.gguf import plan
     from compress.formats.gguf.codecs import decode_tensor, encode_tensor
 
+    from transformers.pytorch_utils import Conv1D
+
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     cfg = model.config
+    arch = "gpt2" if cfg.model_type == "gpt2" else "llama"
+    modules = dict(model.named_modules())
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim < 2:
                 continue
-            kind = plan.tensor_type(target, plan.gguf_name(name), tuple(p.shape), cfg.num_hidden_layers, cfg.tie_word_embeddings)
-            heads = {"q_proj": cfg.num_attention_heads, "k_proj": cfg.num_key_value_heads}.get(name.split(".")[-2])
+            conv1d = isinstance(modules[name.rsplit(".", 1)[0]], Conv1D)  # weight [in, out]: GGUF rows are outputs
+            w = p.detach().t() if conv1d else p.detach()
+            kind = plan.tensor_type(target, plan.gguf_name(name, arch), tuple(w.shape), cfg.num_hidden_layers, cfg.tie_word_embeddings)
+            heads = {"q_proj": cfg.num_attention_heads, "k_proj": getattr(cfg, "num_key_value_heads", None)}.get(name.split(".")[-2])
             permuted = heads and cfg.model_type not in ("qwen2", "qwen3", "phi3")  # GGML's NEOX-RoPE archs: as HF does
-            w = permute_rope(p.detach(), heads) if permuted else p.detach()
-            d = torch.from_numpy(decode_tensor(encode_tensor(w.numpy(), kind), kind, w.shape[1]).copy())
+            w = permute_rope(w, heads) if permuted else w
+            d = torch.from_numpy(decode_tensor(encode_tensor(w.contiguous().numpy(), kind), kind, w.shape[1]).copy())
             if permuted:
                 d = d.reshape(heads, d.shape[0] // heads // 2, 2, -1).swapaxes(1, 2).reshape(d.shape)
-            p.copy_(d)
+            p.copy_(d.t() if conv1d else d)
     return model
 
 
@@ -201,13 +207,44 @@ def _assert_transformers_reads_the_decoded_weights(model, out) -> None:
         assert torch.allclose(loaded(ids).logits, expected(ids).logits, atol=1e-5)
 
 
-def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny_tokenizer):
-    from transformers import GPT2Config
+def test_gpt2_export(tmp_path, tiny_tokenizer):
+    """GPT-2 as llama.cpp's converter writes it: its own tensor names, the Conv1D weights ([in, out]) as rows
+    of outputs, learned positions in F32, LayerNorm epsilon and no RoPE keys; transformers' loader reads it."""
+    from gguf import GGUFReader
 
-    model = save_random_model(GPT2Config(vocab_size=len(tiny_tokenizer), n_embd=32, n_layer=1, n_head=2), tmp_path / "gpt2", tiny_tokenizer)
+    from architectures import save_architecture
+
+    # transformers' GGUF loader ignores gpt2.context_length (takes GPT2Config's default 1024 positions)
+    model = save_architecture("gpt2", tmp_path / "gpt2", tiny_tokenizer, n_positions=1024)
+    _, out = export(model, tmp_path, Target.q8_0)
+    fields = read_fields(out)
+    assert fields["general.architecture"] == "gpt2" and fields["gpt2.context_length"] == 1024
+    assert fields["gpt2.feed_forward_length"] == 4 * 64 and fields["gpt2.attention.layer_norm_epsilon"] == pytest.approx(1e-5)
+    assert not [k for k in fields if ".rope." in k]
+    tensors = {t.name: ([int(d) for d in t.shape], t.tensor_type.name) for t in GGUFReader(str(out)).tensors}
+    assert tensors["blk.0.attn_qkv.weight"] == ([64, 3 * 64], "Q8_0") and tensors["blk.0.ffn_down.weight"] == ([256, 64], "Q8_0")
+    assert tensors["position_embd.weight"] == ([64, 1024], "F32") and "output.weight" not in tensors  # tied
+    assert {"blk.1.attn_norm.bias", "blk.1.ffn_up.bias", "output_norm.bias"} <= set(tensors)
+    _assert_transformers_reads_the_decoded_weights(model, out)
+
+
+def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny_tokenizer):
+    from transformers import OPTConfig
+
+    config = OPTConfig(vocab_size=len(tiny_tokenizer), hidden_size=32, ffn_dim=64, num_hidden_layers=1, num_attention_heads=2,
+                       word_embed_proj_dim=32)
+    model = save_random_model(config, tmp_path / "opt", tiny_tokenizer)
     msg = one_line_error(export_gguf, ExportConfig(model, tmp_path / "x.gguf", Target.q8_0))
-    assert "gpt2" in msg and "llama" in msg
+    assert "'opt'" in msg and "llama" in msg
     assert not (tmp_path / "x.gguf").exists()
+
+
+def test_gpt2_with_exact_gelu_is_refused(tmp_path, tiny_tokenizer):
+    from architectures import save_architecture
+
+    model = save_architecture("gpt2", tmp_path / "gpt2", tiny_tokenizer, activation_function="gelu")
+    msg = one_line_error(export_gguf, ExportConfig(model, tmp_path / "x.gguf", Target.q8_0))
+    assert "gelu_new" in msg and "'gelu'" in msg
 
 
 def test_existing_output_needs_overwrite(tmp_path):

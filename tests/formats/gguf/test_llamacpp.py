@@ -217,8 +217,9 @@ def test_smollm2_q4_k_m_falls_back_like_llama_quantize(smollm2, tmp_path, llama_
     [("qwen3", {"head_dim": 32}), ("phi3", {}), ("gemma2", {"tie_word_embeddings": True, "query_pre_attn_scalar": 16}),
      ("gemma3_text", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=512, bos_token_id=0, eos_token_id=0,
-                          pad_token_id=0))],
-    ids=["qwen3", "phi3", "gemma2", "gemma3"],
+                          pad_token_id=0)),
+     ("gpt2", {})],
+    ids=["qwen3", "phi3", "gemma2", "gemma3", "gpt2"],
 )
 def test_llama_cpp_runs_our_file_of_another_architecture(tmp_path, tiny_tokenizer, llama_cpp_runs, kind, overrides):
     """Qwen3 (per-head q/k RMS norms, head_dim 32 where hidden/heads is 16), Phi-3 (fused q/k/v and gate/up) and
