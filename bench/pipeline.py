@@ -85,7 +85,7 @@ def instrument(clock: PhaseClock) -> None:
     clock.wrap(compression, "open_model", "load")
     clock.wrap(compression, "load_calibration", "load")
     clock.wrap(Engine, "capture_inputs", "capture")
-    clock.wrap(Engine, "_forward_groups", "order")
+    clock.wrap(Engine, "_forward_order", "order")
     clock.wrap(Engine, "_run_until_called", "statistics")
     clock.wrap(Engine, "_write_block", "write")
     clock.wrap(Engine, "_propagate", "propagation")

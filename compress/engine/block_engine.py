@@ -38,9 +38,11 @@ from compress.engine.journal import BlockJournal
 from compress.engine.methods.base import LayerOutcome, LayerReport, Method
 from compress.engine.ranks import Ranks, Replay, solve_on_owners
 from compress.engine.activations import Activations
-from compress.engine.passes import InputCatcher, StopForward, forward_groups, propagate, run_block, run_until_called, split_hidden
+from compress.engine.passes import (
+    CallOrder, InputCatcher, StopForward, call_order, propagate, run_block, run_until_called, split_hidden,
+)
 from compress.checkpoints.model_io import ModelHandle, get_weight, is_conv1d
-from compress.engine.statistics import StatsCollector
+from compress.engine.statistics import InputsDiverged, StatsCollector
 
 log = logging.getLogger(__name__)
 
@@ -155,7 +157,7 @@ class Engine:
         self.on_layer = on_layer or (lambda report: None)
         self.needs_data = any(method.needs for stage in stages for method in stage.methods()) or observer is not None
         self._block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
-        self._group_order: dict[tuple, list[list[str]]] = {}  # (block class, selected layers) -> groups, see _groups
+        self._call_orders: dict[tuple, CallOrder] = {}  # (block class, selected layers) -> relative names, see _call_order
         self._in_blocks = tuple(name + "." for name in self._block_names)
 
     def check(self, calibration: torch.Tensor | None) -> None:
@@ -239,13 +241,10 @@ class Engine:
             if not layers:
                 continue
             sequential = stage.method.sequential and stage.method.needs
-            for group in self._groups(block, block_name, layers, inputs) if sequential else [layers]:
+            order = self._call_order(block, block_name, layers, inputs) if stage.method.needs else None
+            for group in order.groups if sequential else [layers]:
                 needs = frozenset().union(*(stage.method_for(name).needs for name in group))
-                for module in routing.values():
-                    module.reset_routed_tokens()
-                with StatsCollector(group, needs) as collector:
-                    if needs:
-                        self._run_until_called(block, inputs, group)
+                collector = self._collect(block, inputs, group, needs, routing, order.same_input if needs else [])
                 collector.combine(self.ranks)
                 stats = collector.results()
                 tokens = self._expert_tokens(block_name, routing, collector) if needs else {}
@@ -291,18 +290,42 @@ class Engine:
             elif self._outcomes.pop(name, None) is not None:
                 log.warning("%s was quantized and then changed by %s: it is written dense", name, method.name)
 
-    def _groups(self, block: nn.Module, block_name: str, layers: dict[str, nn.Module], inputs) -> list[dict[str, nn.Module]]:
-        """True-sequential groups of ``layers`` in forward order, learned by one batch through the first block
-        of each structure (block class and selected layers): blocks built alike call their layers alike."""
+    def _call_order(self, block: nn.Module, block_name: str, layers: dict[str, nn.Module], inputs) -> CallOrder:
+        """``layers``' `CallOrder` (full names), learned by one batch through the first block of each structure
+        (block class and selected layers): blocks built alike call their layers alike."""
         relative = [name[len(block_name) + 1 :] for name in layers]
         key = (type(block), tuple(relative))
-        if key not in self._group_order:
-            groups = self._forward_groups(block, layers, inputs[0])
-            self._group_order[key] = [[name[len(block_name) + 1 :] for name in group] for group in groups]
-        return [{f"{block_name}.{r}": layers[f"{block_name}.{r}"] for r in group} for group in self._group_order[key]]
+        if key not in self._call_orders:
+            order = self._forward_order(block, {r: layers[f"{block_name}.{r}"] for r in relative}, inputs[0])
+            self._call_orders[key] = order
+        order = self._call_orders[key]
+        return CallOrder(
+            [{f"{block_name}.{r}": layers[f"{block_name}.{r}"] for r in group} for group in order.groups],
+            [[f"{block_name}.{r}" for r in names] for names in order.same_input],
+        )
 
-    def _forward_groups(self, block: nn.Module, layers: dict[str, nn.Module], sample) -> list[dict[str, nn.Module]]:
-        return forward_groups(layers, lambda: self._run_block(block, [sample]))
+    def _forward_order(self, block: nn.Module, layers: dict[str, nn.Module], sample) -> CallOrder:
+        return call_order(layers, lambda: self._run_block(block, [sample]))
+
+    def _collect(self, block: nn.Module, inputs, group: dict[str, nn.Module], needs, routing: dict, same_input) -> StatsCollector:
+        """Statistics of ``group``'s inputs over every batch, each set of ``same_input`` collected once; should
+        such a set's layers be fed different tensors on any rank, every rank collects again without sharing."""
+        for shared in ([same_input, []] if same_input else [[]]):
+            for module in routing.values():
+                module.reset_routed_tokens()
+            diverged = False
+            try:
+                with StatsCollector(group, needs, shared) as collector:
+                    if needs:
+                        self._run_until_called(block, inputs, group)
+            except InputsDiverged as exc:
+                diverged = True
+                log.debug("collecting again without shared statistics: %s", exc)
+            if shared and self.ranks.world > 1:  # all ranks keep or drop the sharing alike (same collectives)
+                diverged = self.ranks.sum_floats(float(diverged))[0] > 0
+            if not diverged:
+                return collector
+        raise AssertionError("unreachable: collection without sharing cannot diverge")
 
     def run(self, writer: ShardedWriter, calibration: torch.Tensor | None = None, journal: BlockJournal | None = None) -> EngineResult:
         """``journal``: records the progress after each written block, and continues a killed run it recorded."""

@@ -3,11 +3,13 @@
 - `InputCatcher` stands in for block 0 and stops the model's forward pass there: block 0's inputs.
 - `run_block`: the block's outputs on every calibration batch (propagation, and methods' replays).
 - `run_until_called`: a statistics pass that stops once the layers it collects for have run.
-- `forward_groups`: the block's layers grouped in call order, those fed the very same tensor together.
+- `call_order`: the block's layers grouped in call order, and the sets of them fed the very same tensor.
 """
 
 from __future__ import annotations
 
+import collections
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
@@ -90,10 +92,21 @@ def run_until_called(block: nn.Module, inputs, layers: dict[str, nn.Module]) -> 
             handle.remove()
 
 
-def forward_groups(layers: dict[str, nn.Module], run_sample: Callable[[], Any]) -> list[dict[str, nn.Module]]:
-    """Split ``layers`` into groups in the order ``run_sample()`` (one batch through their block) calls them;
-    layers called in a row on the very same input tensor (q/k/v, gate/up) form one group; layers never
-    called form a last group."""
+@dataclass(frozen=True)
+class CallOrder:
+    """How one batch through a block calls its layers (relative names).
+
+    ``groups``: the layers in call order, those called in a row on the very same input tensor (q/k/v,
+    gate/up) together, then any never called. ``same_input``: sets of two or more layers fed the very same
+    tensor anywhere in the pass (q/k/v, gate/up, and every expert's gate/up when all experts calibrate):
+    their input statistics are the same, so they are collected once (`StatsCollector`)."""
+
+    groups: list[list[str]]
+    same_input: list[list[str]]
+
+
+def call_order(layers: dict[str, nn.Module], run_sample: Callable[[], Any]) -> CallOrder:
+    """The `CallOrder` of ``layers`` (names as given) in one ``run_sample()`` (one batch through their block)."""
     calls: list[tuple[str, torch.Tensor]] = []  # holding the inputs keeps their identities unique
     hooks = [
         module.register_forward_pre_hook(
@@ -107,17 +120,21 @@ def forward_groups(layers: dict[str, nn.Module], run_sample: Callable[[], Any]) 
     finally:
         for h in hooks:
             h.remove()
-    groups: list[dict[str, nn.Module]] = []
-    seen: set[str] = set()
+    groups: list[list[str]] = []
+    by_input: dict[int, list[str]] = {}  # id of an input tensor (alive in ``calls``) -> the layers it fed
+    first_input: dict[str, torch.Tensor] = {}
     last_input = None
     for name, x in calls:
-        if name in seen:
+        if name in first_input:
             continue
         if groups and x is last_input:
-            groups[-1][name] = layers[name]
+            groups[-1].append(name)
         else:
-            groups.append({name: layers[name]})
-        seen.add(name)
-        last_input = x
-    uncalled = {n: m for n, m in layers.items() if n not in seen}
-    return groups + ([uncalled] if uncalled else [])
+            groups.append([name])
+        first_input[name] = last_input = x
+        by_input.setdefault(id(x), []).append(name)
+    # A layer called on several inputs belongs to no set: sharing is for layers whose every call matches.
+    repeated = {name for name, count in collections.Counter(n for n, _ in calls).items() if count > 1}
+    same_input = [names for names in by_input.values() if len(names) > 1 and not repeated & set(names)]
+    uncalled = [n for n in layers if n not in first_input]
+    return CallOrder(groups + ([uncalled] if uncalled else []), same_input)

@@ -104,42 +104,92 @@ def layer_in_features(module: nn.Module) -> int:
     return int(in_features)
 
 
-def _feeder(stats: InputStatistics):
-    def hook(_module, args, kwargs):
-        stats.update(args[0] if args else next(iter(kwargs.values())))
+class InputsDiverged(Exception):
+    """Layers expected to share their input (`StatsCollector`'s ``same_input``) were fed different tensors."""
 
-    return hook
+
+class _SharedInput:
+    """One `InputStatistics` for layers fed the very same tensor: the first (leader) adds each input, every
+    other layer must then be fed that very tensor once before the leader's next input."""
+
+    def __init__(self, stats: InputStatistics, names: list[str]):
+        self.stats, self.leader, self.followers = stats, names[0], frozenset(names[1:])
+        self.last: torch.Tensor | None = None  # the leader's latest input
+        self.claimed: set[str] = set(self.followers)  # followers fed ``last`` so far
+
+    def feed(self, name: str, x: torch.Tensor) -> None:
+        if name == self.leader:
+            if self.claimed != self.followers:
+                raise InputsDiverged(f"{sorted(self.followers - self.claimed)} missed an input of {self.leader}")
+            self.stats.update(x)
+            self.last, self.claimed = x, set()
+        elif x is self.last and name not in self.claimed:  # identity: the tensor itself, not equal values
+            self.claimed.add(name)
+        else:
+            raise InputsDiverged(f"{name} was fed another input than {self.leader}")
 
 
 class StatsCollector(AbstractContextManager):
-    """Forward pre-hooks that feed each layer's input into its `InputStatistics`."""
+    """Forward pre-hooks that feed each layer's input into its `InputStatistics`.
 
-    def __init__(self, layers: dict[str, nn.Module], needs: frozenset[Stat]):
+    ``same_input``: sets of layers fed the very same tensor (`compress.engine.passes.CallOrder`): each set
+    accumulates one `InputStatistics` (q/k/v: a third of the Hessian work and memory). Should a set's
+    layers ever be fed different tensors, the pass raises `InputsDiverged`; the caller collects again
+    without sharing."""
+
+    def __init__(self, layers: dict[str, nn.Module], needs: frozenset[Stat], same_input: list[list[str]] = ()):
         self.needs = needs
-        self.stats = {
-            name: InputStatistics(layer_in_features(m), needs, m.weight.device) for name, m in layers.items()
-        }
+        self.stats: dict[str, InputStatistics] = {}
+        self._shared: dict[str, _SharedInput] = {}
+        for names in same_input:
+            names = [n for n in names if n in layers]
+            if len(names) > 1:
+                shared = _SharedInput(self._new(layers[names[0]]), names)
+                self._shared.update(dict.fromkeys(names, shared))
+                self.stats.update(dict.fromkeys(names, shared.stats))
+        for name, module in layers.items():
+            if name not in self.stats:
+                self.stats[name] = self._new(module)
         self._layers = layers
         self._handles: list = []
+
+    def _new(self, module: nn.Module) -> InputStatistics:
+        return InputStatistics(layer_in_features(module), self.needs, module.weight.device)
+
+    def _feeder(self, name: str):
+        shared, stats = self._shared.get(name), self.stats[name]
+
+        def hook(_module, args, kwargs):
+            x = args[0] if args else next(iter(kwargs.values()))
+            shared.feed(name, x) if shared is not None else stats.update(x)
+
+        return hook
 
     def __enter__(self) -> "StatsCollector":
         if self.needs:
             for name, module in self._layers.items():
-                stats = self.stats[name]
-                self._handles.append(module.register_forward_pre_hook(_feeder(stats), with_kwargs=True))
+                self._handles.append(module.register_forward_pre_hook(self._feeder(name), with_kwargs=True))
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        shared = list(dict.fromkeys(self._shared.values()))
+        missed = [s for s in shared if s.claimed != s.followers]
+        for s in shared:
+            s.last = None  # release the activation
+        if exc_type is None and missed:
+            raise InputsDiverged(f"{sorted(missed[0].followers - missed[0].claimed)} missed an input of {missed[0].leader}")
 
     def combine(self, ranks) -> None:
-        """Every layer's statistics over all ranks' calibration tokens (`InputStatistics.combine`)."""
-        for stats in self.stats.values():
+        """Every layer's statistics over all ranks' calibration tokens (`InputStatistics.combine`); a shared
+        one once."""
+        for stats in {id(s): s for s in self.stats.values()}.values():
             stats.combine(ranks)
 
     def results(self) -> dict[str, dict[Stat, torch.Tensor]]:
+        """Each layer's statistics; layers sharing an input get equal but separate tensors."""
         return {name: s.result() for name, s in self.stats.items()}
 
 

@@ -263,14 +263,15 @@ class SequentialRTN(CalibratedRTN):
 
 
 @pytest.mark.parametrize(
-    "arch,expected",
+    "arch,expected,same_input",
     [
-        ("llama", [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]]),
-        ("gpt2", [["attn.c_attn"], ["attn.c_proj"], ["mlp.c_fc"], ["mlp.c_proj"]]),
-        ("opt", [["q_proj", "k_proj", "v_proj"], ["out_proj"], ["fc1"], ["fc2"]]),
+        ("llama", [["q_proj", "k_proj", "v_proj"], ["o_proj"], ["gate_proj", "up_proj"], ["down_proj"]],
+         [["q_proj", "k_proj", "v_proj"], ["gate_proj", "up_proj"]]),
+        ("gpt2", [["attn.c_attn"], ["attn.c_proj"], ["mlp.c_fc"], ["mlp.c_proj"]], []),
+        ("opt", [["q_proj", "k_proj", "v_proj"], ["out_proj"], ["fc1"], ["fc2"]], [["q_proj", "k_proj", "v_proj"]]),
     ],
 )
-def test_forward_groups_follow_the_data_flow(arch, expected, tmp_path):
+def test_call_order_follows_the_data_flow(arch, expected, same_input, tmp_path):
     model_dir = save_random_model(CONFIGS[arch](), tmp_path / "in")
     handle = open_model(model_dir)
     engine = Engine(handle, [])
@@ -279,16 +280,21 @@ def test_forward_groups_follow_the_data_flow(arch, expected, tmp_path):
     block = handle.blocks[0]
     handle.materialize(block, handle.block_name(0), "cpu", torch.float32)
     layers = quantizable_layers(handle.model, [handle.block_name(0)])
-    groups = engine._forward_groups(block, layers, inputs[0])
+    order = engine._forward_order(block, layers, inputs[0])
     prefix = handle.block_name(0) + "."
     strip = ("self_attn.", "mlp.") if arch != "gpt2" else ()
-    short = []
-    for group in groups:
-        names = [n.removeprefix(prefix) for n in group]
-        for p in strip:
-            names = [n.removeprefix(p) for n in names]
-        short.append(sorted(names))
-    assert short == [sorted(g) for g in expected]
+
+    def short(groups):
+        out = []
+        for group in groups:
+            names = [n.removeprefix(prefix) for n in group]
+            for p in strip:
+                names = [n.removeprefix(p) for n in names]
+            out.append(sorted(names))
+        return out
+
+    assert short(order.groups) == [sorted(g) for g in expected]
+    assert short(order.same_input) == [sorted(g) for g in same_input]
 
 
 def test_true_sequential_statistics_see_quantized_earlier_groups(tmp_path):

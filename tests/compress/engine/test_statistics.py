@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from compress.engine.statistics import InputStatistics, Stat, StatsCollector, layer_in_features
+from compress.engine.statistics import InputStatistics, InputsDiverged, Stat, StatsCollector, layer_in_features
 
 ALL = frozenset(Stat)
 
@@ -283,3 +283,54 @@ def test_routed_tokens_in_any_grouping_change_no_bit():
         for k in ALL:
             assert torch.equal(other[k], results[0][k]), k
     assert_matches(results[0], reference_stats([tokens], 24), ALL)
+
+
+# -- layers fed the very same tensor (q/k/v, gate/up) -----------------------------------------------------
+def _three_layers():
+    torch.manual_seed(1)
+    return {"a": nn.Linear(16, 4), "b": nn.Linear(16, 5), "c": nn.Linear(16, 3)}
+
+
+def test_layers_fed_the_same_tensor_share_one_collection():
+    """Each input of a shared set is added once; every layer's figures are still the direct computation
+    over its own inputs, in tensors of its own (a solver's in-place work must not reach another layer)."""
+    layers = _three_layers()
+    xs = [_data((2, 4, 16), seed=s) for s in range(3)]
+    with StatsCollector(layers, ALL, same_input=[["a", "b"]]) as collector, torch.no_grad():
+        for x in xs:
+            for layer in layers.values():
+                layer(x)
+    assert collector.stats["a"] is collector.stats["b"] and collector.stats["c"] is not collector.stats["a"]
+    assert collector.stats["a"].count == 2 * 4 * 3  # each token once
+    results = collector.results()
+    for name in layers:
+        assert_matches(results[name], reference_stats(xs, 16), ALL)
+    assert results["a"][Stat.HESSIAN].data_ptr() != results["b"][Stat.HESSIAN].data_ptr()
+
+
+def _feed_equal_copy(layers, x):
+    layers["a"](x), layers["b"](x.clone())  # equal values, another tensor: not provably the same input
+
+
+def _skip_follower(layers, x):
+    layers["a"](x)
+
+
+def _follower_twice(layers, x):
+    layers["a"](x), layers["b"](x), layers["b"](x)
+
+
+def _follower_first(layers, x):
+    layers["b"](x), layers["a"](x)
+
+
+@pytest.mark.parametrize("feed", [_feed_equal_copy, _skip_follower, _follower_twice, _follower_first])
+def test_a_shared_set_fed_otherwise_raises(feed):
+    """Sharing is only right while every follower is fed the leader's very tensor once per leader input."""
+    layers = _three_layers()
+    with pytest.raises(InputsDiverged):
+        with StatsCollector(layers, ALL, same_input=[["a", "b"]]), torch.no_grad():
+            first = _data((2, 16), seed=0)
+            layers["a"](first), layers["b"](first)  # shared as expected ...
+            feed(layers, _data((2, 16), seed=1))  # ... then not
+    assert all(not layer._forward_pre_hooks for layer in layers.values())
