@@ -76,12 +76,14 @@ def solve_output_layer(handle, norm_name: str, hidden: list[torch.Tensor], solve
 
 
 def layer_types(model: Path, config: ExportConfig) -> dict[str, GGMLType]:
-    """HF linear layer name -> its GGML type, for the block-quantized weights of the export plan."""
+    """Checkpoint (on-disk) linear layer name -> its GGML type, for the block-quantized weights of the export
+    plan (each expert of a stacked MoE tensor too)."""
     plan = _tensor_plan(CheckpointReader(model), read_config(model), config.target, config.has_imatrix, config.types)
     return {
         name.removesuffix(".weight"): kind
-        for name, _, kind, shape in plan
-        if len(shape) == 2 and name.endswith(".weight") and is_block_quantized(kind)
+        for sources, _, kind, shape in plan
+        for name in sources
+        if len(shape) >= 2 and name.endswith(".weight") and is_block_quantized(kind)
     }
 
 
@@ -103,9 +105,11 @@ def export_calibrated(
     # recorded in the file: the AWQ path exports a scaled copy, so the source is named here
     config = replace(config, source=config.source or config.model, method=method.value, calibration=calibration.model_dump(mode="json"))
     handle = open_model(config.model)
-    types = layer_types(config.model, config)
+    stored = layer_types(config.model, config)  # by on-disk name; the engine's layers by module name (Mixtral's differ)
     blocks = [handle.block_name(i) for i in range(len(handle.blocks))]
-    layers = {n: m for n, m in quantizable_layers(handle.model, blocks).items() if n in types}
+    disk = {n: handle.disk_name(f"{n}.weight").removesuffix(".weight") for n in quantizable_layers(handle.model, blocks)}
+    layers = {n: m for n, m in quantizable_layers(handle.model, blocks).items() if disk[n] in stored}
+    types = {n: stored[disk[n]] for n in layers} | {n: k for n, k in stored.items() if n == OUTPUT_LAYER}
     device = resolve_device(device)
     head, solver, stages = None, None, []
     if method.scales:
@@ -131,13 +135,15 @@ def export_calibrated(
                 run.layers += solve_output_layer(handle, head, run.final_hidden, solver, device, ranks)
         return run
 
-    encoded = solver.encoded if solver is not None else None
+    def encoded_by_disk_name():  # GPTQ's bytes, under the names the writer reads the checkpoint by
+        return {disk.get(n, n): v for n, v in solver.encoded.items()} if solver is not None else None
+
     if not ranks.main:  # its share of the calibration and solves; the main process writes the file
         run_engine(DiscardingWriter())
         return ExportResult(config.output, config.target.value, handle.config.model_type, seconds=time.perf_counter() - start)
     if not method.scales:  # only the encoded layers change: read the rest from the input
         run = run_engine(DiscardingWriter())  # GPTQ's product is its encoded bytes
-        result = export_gguf(config, progress, encoded=encoded)
+        result = export_gguf(config, progress, encoded=encoded_by_disk_name())
     else:  # the scaled checkpoint, written next to the output and exported from there
         config.output.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=config.output.parent, prefix=f".{config.output.name}.awq-{os.getpid()}-") as scratch:
@@ -146,7 +152,7 @@ def export_calibrated(
             writer.close()
             copy_side_files(config.model, Path(scratch))
             write_config(config.model, Path(scratch), {"stages": [stage.method.record() for stage in stages]})
-            result = export_gguf(replace(config, model=Path(scratch)), progress, encoded=encoded)
+            result = export_gguf(replace(config, model=Path(scratch)), progress, encoded=encoded_by_disk_name())
     result.notes.append(f"calibrated with {method.value} on {calibration.samples} x {calibration.seq_len} tokens of {calibration.path.name}")
     gains = [np.log(r.info["rtn_rel_error"] / r.info["rel_error"]) for r in run.layers if r.info.get("rel_error")]
     if gains:

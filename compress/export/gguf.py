@@ -34,7 +34,7 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable, Mapping, NamedTuple
 
 import numpy as np
 import torch
@@ -45,7 +45,9 @@ from compress.checkpoints.model_io import open_model
 from compress.checkpoints.output import OutputLock, check_outside_input, disk_error, run_inputs
 from compress.checkpoints.shards import CheckpointReader
 from compress.errors import CompressError
-from compress.export.gguf_arch import ARCHITECTURES, NORM_SHIFT, PERMUTED_ARCHS, TRANSPOSED_ARCHS, add_metadata, read_config
+from compress.export.gguf_arch import (
+    ARCHITECTURES, NORM_SHIFT, PERMUTED_ARCHS, TRANSPOSED_ARCHS, add_metadata, expert_count, read_config,
+)
 from compress.formats.gguf import plan
 from compress.formats.gguf.codecs import encode_tensor
 from compress.formats.gguf.imatrix import read_imatrix
@@ -161,12 +163,22 @@ def _gqa(config: dict) -> int:
     return heads // (config.get("num_key_value_heads") or heads)
 
 
+class PlannedTensor(NamedTuple):
+    """One GGUF tensor to write: its checkpoint tensors (an MoE role's experts, stacked in order), name, type and
+    torch shape as written (``[n_expert, out, in]`` for stacked experts)."""
+
+    sources: tuple[str, ...]
+    gguf: str
+    kind: GGMLType
+    shape: list[int]
+
+
 def _tensor_plan(
     reader: CheckpointReader, config: dict, target: Target, has_imatrix: bool = False, types: Mapping[str, GGMLType] | None = None,
-) -> list[tuple[str, str, GGMLType, list[int]]]:
-    """(hf name, gguf name, type, torch shape) for every tensor to write, in llama.cpp's order; ``types``
-    (GGUF name -> type, already fitted to the row length) overrides ``target``'s choice per tensor."""
-    shapes = {}
+) -> list[PlannedTensor]:
+    """Every tensor to write, in llama.cpp's order; ``types`` (GGUF name -> type, already fitted to the row
+    length) overrides ``target``'s choice per tensor."""
+    shapes: dict[str, tuple[list[str], list[int]]] = {}  # gguf name -> (checkpoint names, shape of one)
     arch = ARCHITECTURES[config["model_type"]]
     for name in reader.names():
         gname = plan.gguf_name(name, arch)
@@ -175,20 +187,29 @@ def _tensor_plan(
                 log.warning("tensor %s has no GGUF counterpart; skipped", name)
             continue
         shape = _shape(reader, name)
-        shapes[name] = (gname, shape[::-1] if _transposed(arch, gname, shape) else shape)
-    tied = "lm_head.weight" not in shapes or config.get("tie_word_embeddings", False)
-    if tied:
-        shapes.pop("lm_head.weight", None)
-    n_layers = config["num_hidden_layers"]
+        sources, first = shapes.setdefault(gname, ([], shape[::-1] if _transposed(arch, gname, shape) else shape))
+        if sources and (plan.expert_index(name) is None or shape != first):
+            raise CompressError(f"{name} and {sources[0]} both map to GGUF tensor {gname}: the checkpoint does not match its config.json")
+        sources.append(name)
+    if "output.weight" in shapes and config.get("tie_word_embeddings", False):
+        del shapes["output.weight"]
+    tied = "output.weight" not in shapes
+    n_layers, n_expert = config["num_hidden_layers"], expert_count(config)
     entries = []
-    for name, (gname, shape) in shapes.items():
-        kind = plan.tensor_type(target, gname, tuple(shape), n_layers, tied, n_gqa=_gqa(config), has_imatrix=has_imatrix)
+    for gname, (sources, shape) in shapes.items():
+        if plan.expert_index(sources[0]) is not None:  # stacked by expert index: every one present once
+            sources = sorted(sources, key=plan.expert_index)
+            if [plan.expert_index(n) for n in sources] != list(range(n_expert)):
+                raise CompressError(f"{gname}: the checkpoint has experts {[plan.expert_index(n) for n in sources]}, config.json says {n_expert}")
+            shape = [n_expert, *shape]
+        kind = plan.tensor_type(target, gname, tuple(shape), n_layers, tied, n_gqa=_gqa(config), has_imatrix=has_imatrix,
+                                n_expert=n_expert)
         if types and gname in types:
             kind = types[gname]
-        entries.append((name, gname, kind, shape))
+        entries.append(PlannedTensor(tuple(sources), gname, kind, shape))
 
     def order(entry):
-        g = entry[1]
+        g = entry.gguf
         if g.startswith("blk."):
             return (1, int(g.split(".")[1]), g)
         return (0 if g.startswith("token_embd") else 2, 0, g)
@@ -272,6 +293,8 @@ def export_gguf(
     reader = open_model(config.model).reader  # config.json's sizes checked against the weights' shapes first
     entries = _tensor_plan(reader, hf, config.target, config.has_imatrix, config.types)
     imatrix = read_imatrix(config.imatrix) if config.imatrix is not None else None
+    if imatrix is not None and any(len(e.sources) > 1 for e in entries):
+        raise CompressError("importance matrices of MoE experts are not supported yet: export with --method gptq or rtn")
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     result = ExportResult(out, config.target.value, arch)
     with _guarded_output(out, config.overwrite) as finish, atomic_gguf_writer(out, arch, finish) as writer:
@@ -289,7 +312,7 @@ def export_gguf(
         for _, gname, kind, shape in entries:
             cols = shape[-1]
             intended = plan.intended_type(config.target, gname, tuple(shape), hf["num_hidden_layers"], tied,
-                                          n_gqa=_gqa(hf), has_imatrix=config.has_imatrix)
+                                          n_gqa=_gqa(hf), has_imatrix=config.has_imatrix, n_expert=expert_count(hf))
             if config.types and gname in config.types:
                 intended = kind  # planned per tensor: the plan chose what its row length takes
             if intended != kind:
@@ -304,10 +327,11 @@ def export_gguf(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        for i, (name, gname, kind, shape) in enumerate(entries):
+        def encode(name: str, gname: str, kind: GGMLType, shape: list[int]) -> np.ndarray:
+            """One checkpoint tensor in its GGUF form (an expert: its slice of the stacked tensor)."""
             given = encoded.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
             if given is not None:
-                if given[0] != kind or given[1].shape != (shape[0], row_bytes(kind, shape[-1])):
+                if given[0] != kind or given[1].shape != (shape[-2], row_bytes(kind, shape[-1])):
                     raise CompressError(f"{name}: calibrated as {given[0].name} but the plan gives {kind.name}: rerun the export")
                 rows = torch.from_numpy(given[1])  # rows of bytes permute like rows of weights
             else:
@@ -322,7 +346,11 @@ def export_gguf(
             if given is None:
                 entry = imatrix.entries.get(gname) if imatrix is not None and len(shape) > 1 else None
                 data = encode_tensor(data, kind, entry.importance() if entry is not None else None)
-            writer.write_tensor_data(np.ascontiguousarray(data).reshape(-1))
+            return np.ascontiguousarray(data).reshape(-1)
+
+        for i, (sources, gname, kind, shape) in enumerate(entries):
+            parts = [encode(name, gname, kind, shape) for name in sources]  # experts stacked in order
+            writer.write_tensor_data(parts[0] if len(parts) == 1 else np.concatenate(parts))
             if progress:
                 progress("writing tensors", i + 1, len(entries))
     if result.fallbacks:  # as llama-quantize's "tensor cols N are not divisible by M, falling back"

@@ -5,7 +5,7 @@ records (soft-capping, sliding windows, ...), whether head_dim is always recorde
 weights (Gemma's RMS norm scales by ``1 + w``, ggml's by ``w``), whether an untied output layer has a place, the
 layers that use the sliding window (``SWA_PATTERN``: llama.cpp's fixed pattern; a checkpoint with another is
 refused), whether Q/K rows are permuted for GGML's interleaved RoPE, and GPT-2's differences (its own config
-keys, LayerNorm without RoPE, block weights stored transposed). `read_config` checks a checkpoint
+keys, LayerNorm without RoPE, block weights stored transposed), and MoE expert counts and sizes. `read_config` checks a checkpoint
 against all of it; `add_metadata` writes the header keys.
 """
 
@@ -21,8 +21,16 @@ from compress.formats.gguf.plan import Target
 # HF model_type -> GGUF arch
 ARCHITECTURES = {
     "llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3", "phi3": "phi3", "gemma2": "gemma2",
-    "gemma3_text": "gemma3", "gpt2": "gpt2",
+    "gemma3_text": "gemma3", "gpt2": "gpt2", "mixtral": "llama", "qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe",
 }
+# MoE: the GGUFWriter method of each expert key, and the config.json keys that may hold it (the first found)
+MOE_KEYS = {
+    "add_expert_count": ("num_local_experts", "num_experts"),
+    "add_expert_used_count": ("num_experts_per_tok",),
+    "add_expert_feed_forward_length": ("moe_intermediate_size",),
+    "add_expert_shared_feed_forward_length": ("shared_expert_intermediate_size",),
+}
+MOE_NORM_TOPK = {"llama": True, "qwen2moe": False, "qwen3moe": True}  # llama.cpp renormalizes the top-k weights
 # HF model_type -> {the key every other family uses: its own config.json key} (GPT-2 predates the common names)
 CONFIG_ALIASES = {
     "gpt2": {"hidden_size": "n_embd", "num_hidden_layers": "n_layer", "num_attention_heads": "n_head",
@@ -79,12 +87,28 @@ def read_config(model: Path) -> dict:
     for rope in rope_parameters(config).values():
         if rope.get("rope_type", rope.get("type", "default")) not in ("default", None):
             raise CompressError(f"RoPE scaling {rope.get('rope_type', rope.get('type'))!r} is not supported by the GGUF export yet: export a model without rope_scaling")
+    if expert_count(config) > 1:
+        _check_moe(model, arch, config)
     pattern, layer_types = SWA_PATTERN.get(arch), config.get("layer_types")
     if pattern and layer_types:
         expected = ["sliding_attention" if i % pattern < pattern - 1 else "full_attention" for i in range(len(layer_types))]
         if layer_types != expected:
             raise CompressError(f"{model}: llama.cpp's {arch} slides the window on {pattern - 1} of every {pattern} layers, this model's layer_types differ")
     return config
+
+
+def expert_count(config: dict) -> int:
+    """Experts per MoE block (1: a dense model)."""
+    return int(config.get("num_local_experts") or config.get("num_experts") or 1)
+
+
+def _check_moe(model: Path, arch: str, config: dict) -> None:
+    """What llama.cpp's MoE graphs assume: every block an MoE block, its fixed top-k renormalization."""
+    if config.get("mlp_only_layers") or (config.get("decoder_sparse_step") or 1) != 1:
+        raise CompressError(f"{model}: some blocks are dense (mlp_only_layers / decoder_sparse_step) and llama.cpp's {arch} expects experts in every block")
+    normalized = config.get("norm_topk_prob", MOE_NORM_TOPK[arch])
+    if normalized != MOE_NORM_TOPK[arch]:
+        raise CompressError(f"{model}: norm_topk_prob is {normalized} but llama.cpp's {arch} always uses {MOE_NORM_TOPK[arch]}: it cannot be exported")
 
 
 def rope_parameters(config: dict) -> dict[str, dict]:
@@ -115,6 +139,11 @@ def add_metadata(writer, arch: str, config: dict, target: Target) -> None:
     if head_dim != hidden // heads or arch in KEY_LENGTH_ALWAYS:
         writer.add_key_length(head_dim)
         writer.add_value_length(head_dim)
+    if expert_count(config) > 1:
+        for add, keys in MOE_KEYS.items():
+            value = next((config[k] for k in keys if config.get(k)), None)
+            if value is not None:
+                getattr(writer, add)(int(value))
     writer.add_vocab_size(config["vocab_size"])
     writer.add_file_type(plan.FILE_TYPE[target])
     writer.add_quantization_version(2)

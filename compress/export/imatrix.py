@@ -22,7 +22,7 @@ from compress.checkpoints.model_io import QUANTIZABLE_TYPES
 from compress.engine.ranks import Ranks
 from compress.errors import CompressError
 from compress.formats.gguf.imatrix import Imatrix, ImatrixEntry, write_imatrix
-from compress.export.gguf_arch import ARCHITECTURES
+from compress.export.gguf_arch import ARCHITECTURES, expert_count
 from compress.formats.gguf.plan import gguf_name
 
 
@@ -53,12 +53,15 @@ def collect_imatrix(model, windows: torch.Tensor, process_output: bool = False,
         return accumulate
 
     arch = ARCHITECTURES.get(model.config.model_type, "llama")
+    if expert_count(model.config.to_dict()) > 1:  # llama.cpp keeps one row of sums per expert; ours one per layer
+        raise CompressError("importance matrices of MoE experts are not supported yet: export with --method gptq or rtn")
     for module_name, module in model.named_modules():
         if not isinstance(module, QUANTIZABLE_TYPES):  # nn.Linear, GPT-2's Conv1D
             continue
         name = gguf_name(f"{module_name}.weight", arch)
         if name is None or (name == "output.weight" and not process_output):
             continue
+
         hooks.append(module.register_forward_pre_hook(hook(name)))
     try:
         with torch.inference_mode():

@@ -19,11 +19,16 @@ llama.cpp's ``llama-quantize --pure``. Mixed presets follow ``llama_tensor_get_t
 Either way a type whose block does not divide the row length falls back as llama.cpp's
 ``tensor_type_fallback`` does (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS ->
 IQ4_NL, IQ3_S -> IQ4_NL, then F16).
-1-D tensors (norms, biases) and GPT-2's position embeddings are always F32.
+1-D tensors (norms, biases), GPT-2's position embeddings and MoE routers (``ffn_gate_inp``) are always F32;
+a matrix of one row (Qwen2-MoE's ``ffn_gate_inp_shexp``), 1-D to ggml, stays F16 as llama-quantize leaves it.
+MoE experts are stacked per block and role (``ffn_{gate,up,down}_exps``, ``[n_expert, out, in]``) and follow
+the rules of their role (llama.cpp's categories are substrings: ``ffn_down_exps`` is an ``ffn_down``); with 8
+experts (Mixtral 8x7B) ``attn_v``/``attn_k`` become Q8_0 and Q3_K_M/Q4_K_S/Q4_K_M/IQ4_XS's ``attn_output`` Q5_K.
 """
 
 from __future__ import annotations
 
+import math
 import re
 from enum import Enum
 
@@ -88,7 +93,15 @@ _BLOCK = {
     "mlp.down_proj": "ffn_down",
     "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",  # Qwen3: RMS norm of each head's q and k
     "self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up",  # Phi-3: fused, kept fused (llama.cpp splits them)
+    # MoE: the router (Mixtral's under block_sparse_moe), Qwen2-MoE's shared expert and its sigmoid gate
+    "mlp.gate": "ffn_gate_inp", "block_sparse_moe.gate": "ffn_gate_inp",
+    "mlp.shared_expert.gate_proj": "ffn_gate_shexp", "mlp.shared_expert.up_proj": "ffn_up_shexp",
+    "mlp.shared_expert.down_proj": "ffn_down_shexp", "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
 }
+# Each expert's projection goes into one tensor per block and role, stacked by expert: [n_expert, out, in].
+_EXPERT_RE = re.compile(r"(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)$")
+_EXPERT_ROLE = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}  # Mixtral's names
 _BLOCK_RE = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)$")
 
 
@@ -109,7 +122,7 @@ _GPT2_BLOCK_RE = re.compile(r"(?:transformer\.)?h\.(\d+)\.(.+)\.(weight|bias)$")
 _NAMES = {"gpt2": ({**_GPT2_TOP, **{f"transformer.{k}": v for k, v in _GPT2_TOP.items()}, "lm_head.weight": "output.weight"},
                    _GPT2_BLOCK_RE, _GPT2_BLOCK)}
 # Kept in float32 whatever the target, as llama.cpp's converter writes and llama-quantize keeps them.
-ALWAYS_F32 = ("position_embd.weight",)
+ALWAYS_F32 = ("position_embd.weight", "ffn_gate_inp.weight")  # learned positions, MoE routers
 
 
 def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
@@ -121,7 +134,17 @@ def gguf_name(hf_name: str, arch: str = "llama") -> str | None:
     m = block_re.match(hf_name)
     if m and m.group(2) in block:
         return f"blk.{m.group(1)}.{block[m.group(2)]}.{m.group(3)}"
+    expert = _EXPERT_RE.match(m.group(2)) if m else None
+    if expert and expert.group(2) in _EXPERT_ROLE and m.group(3) == "weight":
+        return f"blk.{m.group(1)}.{_EXPERT_ROLE[expert.group(2)]}.weight"
     return None
+
+
+def expert_index(hf_name: str) -> int | None:
+    """Which expert an MoE expert's projection belongs to (its place in the stacked GGUF tensor); None otherwise."""
+    m = _BLOCK_RE.match(hf_name)
+    expert = _EXPERT_RE.match(m.group(2)) if m else None
+    return int(expert.group(1)) if expert else None
 
 
 def use_more_bits(i_layer: int, n_layers: int) -> bool:
@@ -132,55 +155,68 @@ def _attn_v_like(name: str) -> bool:
     return name.endswith(("attn_v.weight", "attn_qkv.weight"))
 
 
+def _is(name: str, category: str) -> bool:
+    """llama.cpp's ``tensor_get_category``: a substring test, so ``ffn_down_exps``/``_shexp`` are ``ffn_down``."""
+    return category in name
+
+
 def _layer(name: str) -> int:
     return int(name.split(".")[1])
 
 
 def _mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: int, tied: bool, n_gqa: int,
-           has_imatrix: bool) -> GGMLType:
+           has_imatrix: bool, n_expert: int) -> GGMLType:
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         return G.Q8_0 if cols % BLOCK_SIZES[base][0] else G.Q6_K
-    if target == Target.iq4_xs_mix:
-        if _attn_v_like(name) and n_gqa >= 4:
-            return G.Q5_K
-        if name.endswith("ffn_down.weight") and not has_imatrix and _layer(name) < n_layers // 8:
-            return G.Q5_K
-        return base
+    eight_experts = n_expert == 8  # llama.cpp's Mixtral-8x7B rules
     if _attn_v_like(name):
+        i, kind = _layer(name), base
+        if target == Target.iq4_xs_mix and n_gqa >= 4:
+            kind = G.Q5_K
+        elif target == Target.q3_k_m:
+            kind = G.Q5_K if i < 2 else G.Q4_K
+        elif target in (Target.q4_k_m, Target.q5_k_m) and use_more_bits(i, n_layers):
+            kind = G.Q6_K
+        elif target == Target.q4_k_s and i < 4:
+            kind = G.Q5_K
+        return G.Q8_0 if eight_experts else kind
+    if _is(name, "attn_k.weight"):
+        return G.Q8_0 if eight_experts else base
+    if _is(name, "ffn_down"):
         i = _layer(name)
-        if target == Target.q3_k_m:
-            return G.Q5_K if i < 2 else G.Q4_K
-        if target in (Target.q4_k_m, Target.q5_k_m) and use_more_bits(i, n_layers):
-            return G.Q6_K
-        if target == Target.q4_k_s and i < 4:
-            return G.Q5_K
-    elif name.endswith("ffn_down.weight"):
-        i = _layer(name)
+        if target == Target.iq4_xs_mix:
+            return G.Q5_K if not has_imatrix and i < n_layers // 8 else base
         if target == Target.q3_k_m:
             return G.Q5_K if i < n_layers // 16 else G.Q4_K
         if target in (Target.q4_k_m, Target.q5_k_m) and use_more_bits(i, n_layers):
             return G.Q6_K
         if target == Target.q4_k_s and i < n_layers // 8:
             return G.Q5_K
-    elif name.endswith("attn_output.weight") and target == Target.q3_k_m:
-        return G.Q4_K
+    elif _is(name, "attn_output.weight"):
+        if eight_experts:
+            return G.Q5_K if target in (Target.q3_k_m, Target.q4_k_s, Target.q4_k_m, Target.iq4_xs_mix) else base
+        if target == Target.q3_k_m:
+            return G.Q4_K
     return base
 
 
 def intended_type(target: Target, name: str, shape: tuple[int, ...], n_layers: int, tied: bool, *, n_gqa: int = 1,
-                  has_imatrix: bool = False) -> GGMLType:
+                  has_imatrix: bool = False, n_expert: int = 1) -> GGMLType:
     """The GGML type ``target`` gives GGUF tensor ``name`` before any fallback for its row length.
-    ``n_gqa``: query heads per KV head; ``has_imatrix``: the weights get an importance-weighted fit."""
-    if len(shape) < 2 or name in ALWAYS_F32:
+    ``n_gqa``: query heads per KV head; ``has_imatrix``: the weights get an importance-weighted fit;
+    ``n_expert``: experts per MoE block (1: dense)."""
+    if len(shape) < 2 or name.endswith(ALWAYS_F32):
         return G.F32
     base = BASE[target]
-    return _mixed(target, name, base, shape[-1], n_layers, tied, n_gqa, has_imatrix) if target in PRESETS else base
+    if math.prod(shape[:-1]) == 1:  # one row (Qwen2-MoE's shared-expert gate): 1-D to ggml, never quantized
+        return base if base in (G.F16, G.BF16) else G.F16
+    return _mixed(target, name, base, shape[-1], n_layers, tied, n_gqa, has_imatrix, n_expert) if target in PRESETS else base
 
 
 def tensor_type(target: Target, name: str, shape: tuple[int, ...], n_layers: int, tied: bool, *, n_gqa: int = 1,
-                has_imatrix: bool = False) -> GGMLType:
+                has_imatrix: bool = False, n_expert: int = 1) -> GGMLType:
     """The GGML type of GGUF tensor ``name`` (torch ``shape``) under ``target``, as written."""
-    kind = intended_type(target, name, shape, n_layers, tied, n_gqa=n_gqa, has_imatrix=has_imatrix)
+    kind = intended_type(target, name, shape, n_layers, tied, n_gqa=n_gqa, has_imatrix=has_imatrix, n_expert=n_expert)
     cols = shape[-1]
     if len(shape) >= 2 and cols % BLOCK_SIZES[kind][0]:
         kind = FALLBACK.get(kind, kind)

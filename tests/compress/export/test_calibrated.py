@@ -157,3 +157,29 @@ def test_llama_cpp_agrees_with_transformers_on_the_iq4_xs_gptq_file(iq4_xs_files
     ids = Tokenizer.from_file(str(REFERENCE_MODEL / "tokenizer.json")).encode(EVAL_TEXT.read_text(encoding="utf-8")).ids[:2048]
     ours = evaluate(transformers_model(solved), torch.tensor(ids), ctx=512).perplexity
     assert abs(llamacpp_perplexity(solved, ids, ctx=512) / ours - 1) < 0.005
+
+
+@pytest.mark.parametrize("kind, gate", [("mixtral", "block_sparse_moe.experts.{}.w1"), ("qwen2_moe", "mlp.experts.{}.gate_proj")])
+def test_gptq_solves_every_expert_into_its_place(tmp_path, tiny_tokenizer, kind, gate):
+    """MoE experts (Mixtral's named otherwise on disk than in the model): each expert's GPTQ bytes land in its
+    own slice of the stacked ``ffn_gate_exps`` (they differ from ggml's rounding, and each slice decodes
+    closest to the checkpoint's weight of that expert)."""
+    from gguf import GGUFReader, dequantize
+    from safetensors.torch import load_file
+
+    from architectures import save_architecture
+
+    model = save_architecture(kind, tmp_path / kind, tiny_tokenizer)
+    rtn, gptq = tmp_path / "rtn.gguf", tmp_path / "gptq.gguf"
+    export_gguf(ExportConfig(model, rtn, Target.q4_0))
+    export_calibrated(ExportConfig(model, gptq, Target.q4_0), GGUFMethod.gptq, CalibrationSpec(path=CALIB_TEXT, samples=8, seq_len=64))
+    plain, solved = ({t.name: t for t in GGUFReader(str(f)).tensors} for f in (rtn, gptq))
+    state = {k: v.float().numpy() for k, v in load_file(next(model.glob("*.safetensors"))).items()}
+    weights = np.stack([state[f"model.layers.1.{gate.format(e)}.weight"] for e in range(4)])
+    tensor = solved["blk.1.ffn_gate_exps.weight"]
+    decoded = dequantize(tensor.data, tensor.tensor_type).reshape(weights.shape)
+    raw_solved, raw_plain = (np.asarray(t["blk.1.ffn_gate_exps.weight"].data).reshape(4, -1) for t in (solved, plain))
+    for e in range(4):
+        assert not np.array_equal(raw_solved[e], raw_plain[e])
+        errors = [np.abs(decoded[e] - weights[other]).mean() for other in range(4)]
+        assert int(np.argmin(errors)) == e

@@ -228,6 +228,46 @@ def test_gpt2_export(tmp_path, tiny_tokenizer):
     _assert_transformers_reads_the_decoded_weights(model, out)
 
 
+def test_moe_export_stacks_experts_as_llama_cpps_converter(tmp_path, tiny_tokenizer):
+    """Qwen2-MoE as convert_hf_to_gguf.py writes it: expert counts and sizes in the metadata, each role's experts
+    in one [n_expert, out, in] tensor, the router in F32, the shared expert under ``_shexp``."""
+    from gguf import GGUFReader
+
+    from architectures import save_architecture
+
+    model = save_architecture("qwen2_moe", tmp_path / "moe", tiny_tokenizer)
+    _, out = export(model, tmp_path, Target.q8_0)
+    fields = read_fields(out)
+    assert fields["general.architecture"] == "qwen2moe"
+    assert (fields["qwen2moe.expert_count"], fields["qwen2moe.expert_used_count"]) == (4, 2)
+    assert (fields["qwen2moe.expert_feed_forward_length"], fields["qwen2moe.expert_shared_feed_forward_length"]) == (32, 64)
+    tensors = {t.name: ([int(d) for d in t.shape], t.tensor_type.name) for t in GGUFReader(str(out)).tensors}
+    assert tensors["blk.0.ffn_gate_exps.weight"] == ([64, 32, 4], "Q8_0") and tensors["blk.0.ffn_down_exps.weight"] == ([32, 64, 4], "Q8_0")
+    assert tensors["blk.0.ffn_gate_inp.weight"] == ([64, 4], "F32") and tensors["blk.0.ffn_up_shexp.weight"] == ([64, 64], "Q8_0")
+    assert tensors["blk.0.ffn_gate_inp_shexp.weight"] == ([64, 1], "F16")
+    assert not [n for n in tensors if "experts" in n]
+
+
+@pytest.mark.parametrize("overrides, words", [({"norm_topk_prob": True}, "norm_topk_prob"),
+                                              ({"mlp_only_layers": [1]}, "dense")])
+def test_moe_llama_cpp_cannot_run_is_refused(tmp_path, tiny_tokenizer, overrides, words):
+    from architectures import save_architecture
+
+    model = save_architecture("qwen2_moe", tmp_path / "moe", tiny_tokenizer, **overrides)
+    msg = one_line_error(export_gguf, ExportConfig(model, tmp_path / "x.gguf", Target.q8_0))
+    assert words in msg and not (tmp_path / "x.gguf").exists()
+
+
+def test_moe_importance_matrix_is_refused(tmp_path, tiny_tokenizer):
+    from architectures import save_architecture
+    from compress.checkpoints.loading import load_model
+    from compress.export.imatrix import collect_imatrix
+
+    model = save_architecture("mixtral", tmp_path / "moe", tiny_tokenizer)
+    loaded = load_model(model, torch.device("cpu"))  # as `compress imatrix` loads it: one linear layer per expert
+    assert "MoE experts" in one_line_error(collect_imatrix, loaded, torch.zeros(1, 8, dtype=torch.long))
+
+
 def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny_tokenizer):
     from transformers import OPTConfig
 

@@ -131,6 +131,33 @@ def test_phi3_q4_k_m_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_cp
     assert [k for k in a if a[k][1] != b[k][1]] == []
 
 
+@pytest.mark.parametrize("kind, experts, target, ftype", [("mixtral", 8, Target.q4_k_m, 15), ("mixtral", 8, Target.q3_k_m, 12),
+                                                         ("qwen2_moe", 4, Target.q4_k_m, 15)], ids=["mixtral8-q4_k_m", "mixtral8-q3_k_m", "qwen2moe-q4_k_m"])
+def test_moe_file_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_cpp_runs, kind, experts, target, ftype):
+    """MoE experts stacked per block and role (``ffn_*_exps``), the router in F32, Qwen2-MoE's shared expert and
+    its gate: ``llama_model_quantize`` of our F16 file writes the same types and bytes as our export, 8-expert
+    rules included (attn_v/attn_k Q8_0, attn_output Q5_K: llama.cpp's Mixtral-8x7B bumps)."""
+    from gguf import GGUFReader
+
+    from architectures import save_architecture
+
+    sizes = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256)
+    counts = {"num_local_experts": experts} if kind == "mixtral" else {"num_experts": experts}
+    model = save_architecture(kind, tmp_path / kind, tiny_tokenizer, dtype="float16", **sizes, **counts)
+    f16, ours, theirs = tmp_path / "f16.gguf", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    export_gguf(ExportConfig(model, f16, Target.f16))
+    export_gguf(ExportConfig(model, ours, target))
+    quantize(f16, theirs, ftype, pure=False, threads=2)
+    a = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(ours)).tensors}
+    b = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(theirs)).tensors}
+    types = {k: v[0] for k, v in a.items()}
+    assert types == {k: v[0] for k, v in b.items()}
+    assert not [k for k in a if a[k][1] != b[k][1]]
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32"
+    if experts == 8:
+        assert types["blk.1.attn_v.weight"] == types["blk.1.attn_k.weight"] == "Q8_0" and types["blk.1.attn_output.weight"] == "Q5_K"
+
+
 @pytest.mark.parametrize("target, ftype, pure, blocks", [(Target.iq4_xs_mix, 30, False, 8), (Target.iq3_s, 26, True, 2)],
                          ids=lambda v: getattr(v, "value", str(v)))
 def test_i_quant_file_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_cpp_runs, target, ftype, pure, blocks):
@@ -218,8 +245,8 @@ def test_smollm2_q4_k_m_falls_back_like_llama_quantize(smollm2, tmp_path, llama_
      ("gemma3_text", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=7, num_attention_heads=4, num_key_value_heads=2,
                           head_dim=16, query_pre_attn_scalar=16, max_position_embeddings=512, bos_token_id=0, eos_token_id=0,
                           pad_token_id=0)),
-     ("gpt2", {})],
-    ids=["qwen3", "phi3", "gemma2", "gemma3", "gpt2"],
+     ("gpt2", {}), ("mixtral", {}), ("qwen2_moe", {}), ("qwen3_moe", {"norm_topk_prob": True})],
+    ids=["qwen3", "phi3", "gemma2", "gemma3", "gpt2", "mixtral", "qwen2_moe", "qwen3_moe"],
 )
 def test_llama_cpp_runs_our_file_of_another_architecture(tmp_path, tiny_tokenizer, llama_cpp_runs, kind, overrides):
     """Qwen3 (per-head q/k RMS norms, head_dim 32 where hidden/heads is 16), Phi-3 (fused q/k/v and gate/up) and
