@@ -42,7 +42,7 @@ from compress.engine.passes import (
     CallOrder, InputCatcher, StopForward, call_order, propagate, run_block, run_until_called, split_hidden,
 )
 from compress.checkpoints.model_io import ModelHandle, get_weight, is_conv1d
-from compress.engine.statistics import InputsDiverged, StatsCollector
+from compress.engine.statistics import StatsCollector, collect_statistics
 
 log = logging.getLogger(__name__)
 
@@ -308,24 +308,16 @@ class Engine:
         return call_order(layers, lambda: self._run_block(block, [sample]))
 
     def _collect(self, block: nn.Module, inputs, group: dict[str, nn.Module], needs, routing: dict, same_input) -> StatsCollector:
-        """Statistics of ``group``'s inputs over every batch, each set of ``same_input`` collected once; should
-        such a set's layers be fed different tensors on any rank, every rank collects again without sharing."""
-        for shared in ([same_input, []] if same_input else [[]]):
+        def start_pass() -> None:
             for module in routing.values():
                 module.reset_routed_tokens()
-            diverged = False
-            try:
-                with StatsCollector(group, needs, shared) as collector:
-                    if needs:
-                        self._run_until_called(block, inputs, group)
-            except InputsDiverged as exc:
-                diverged = True
-                log.debug("collecting again without shared statistics: %s", exc)
-            if shared and self.ranks.world > 1:  # all ranks keep or drop the sharing alike (same collectives)
-                diverged = self.ranks.sum_floats(float(diverged))[0] > 0
-            if not diverged:
-                return collector
-        raise AssertionError("unreachable: collection without sharing cannot diverge")
+            if needs:
+                self._run_until_called(block, inputs, group)
+
+        def any_rank(diverged: bool) -> bool:  # all ranks keep or drop the sharing alike (same collectives)
+            return self.ranks.sum_floats(float(diverged))[0] > 0 if self.ranks.world > 1 else diverged
+
+        return collect_statistics(group, needs, same_input, start_pass, any_rank)
 
     def run(self, writer: ShardedWriter, calibration: torch.Tensor | None = None, journal: BlockJournal | None = None) -> EngineResult:
         """``journal``: records the progress after each written block, and continues a killed run it recorded."""

@@ -15,10 +15,14 @@ shared among processes.
 from __future__ import annotations
 
 import enum
+import logging
 from contextlib import AbstractContextManager
+from typing import Callable
 
 import torch
 from torch import nn
+
+log = logging.getLogger(__name__)
 
 
 class Stat(enum.Enum):
@@ -191,6 +195,24 @@ class StatsCollector(AbstractContextManager):
     def results(self) -> dict[str, dict[Stat, torch.Tensor]]:
         """Each layer's statistics; layers sharing an input get equal but separate tensors."""
         return {name: s.result() for name, s in self.stats.items()}
+
+
+def collect_statistics(layers: dict[str, nn.Module], needs: frozenset[Stat], same_input: list[list[str]],
+                       run_pass: Callable[[], None], any_diverged: Callable[[bool], bool] = lambda d: d) -> StatsCollector:
+    """A `StatsCollector` fed by ``run_pass()`` (the calibration batches through the layers' block), each set of
+    ``same_input`` collected once; should a set's layers be fed different tensors (``any_diverged``: on any
+    process), the pass runs again without sharing."""
+    for shared in ([same_input, []] if same_input else [[]]):
+        diverged = False
+        try:
+            with StatsCollector(layers, needs, shared) as collector:
+                run_pass()
+        except InputsDiverged as exc:
+            diverged = True
+            log.debug("collecting again without shared statistics: %s", exc)
+        if not shared or not any_diverged(diverged):
+            return collector
+    raise AssertionError("unreachable: the last attempt shares nothing")
 
 
 class CallRecorder(AbstractContextManager):
