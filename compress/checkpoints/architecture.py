@@ -156,6 +156,7 @@ BLOCK_MAPS: dict[str, BlockMap] = {
 # is this norm of the last block's output. Used to collect the output layer's statistics.
 FINAL_NORMS: dict[str, str] = {
     "llama": "model.norm", "mistral": "model.norm", "qwen2": "model.norm", "qwen3": "model.norm", "gpt2": "transformer.ln_f",
+    "phi3": "model.norm", "mixtral": "model.norm", "qwen2_moe": "model.norm", "qwen3_moe": "model.norm",
 }
 
 

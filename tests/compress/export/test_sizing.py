@@ -34,3 +34,26 @@ def test_planned_types_are_written_and_the_size_is_predicted(tiny_llama, tmp_pat
     fixed = fixed_gguf_bytes(config, set(types))
     predicted = fixed + plan.bytes
     assert abs(predicted - result.file_bytes) <= 1024 + 32 * len(types)  # provenance length and alignment
+
+
+def test_gpt2_plan_names_and_row_lengths(tmp_path, tiny_tokenizer):
+    """GPT-2's layers are planned under its own GGUF names, each Conv1D by its row length as stored (its input width)."""
+    from architectures import save_architecture
+
+    model = save_architecture("gpt2", tmp_path / "gpt2", tiny_tokenizer)
+    config = ExportConfig(model, tmp_path / "m.gguf", Target.q8_0)
+    layers = {"transformer.h.0.mlp.c_proj": "q4_k", "transformer.h.0.mlp.c_fc": "q4_k"}  # rows of 256 / 64 weights
+    plan, types = gguf_plan(model, PlanSpec(layers=layers), config)
+    assert {k: v.name for k, v in types.items()} == {"blk.0.ffn_down.weight": "Q4_K", "blk.0.ffn_up.weight": "Q5_0"}
+    assert plan.sizes["transformer.h.0.mlp.c_proj"] == 64 * 144  # 64 rows of one Q4_K super-block (256 weights)
+    written = {t.name: t.tensor_type.name for t in gguf.GGUFReader(export_gguf(replace(config, types=types)).output).tensors}
+    assert (written["blk.0.ffn_down.weight"], written["blk.0.ffn_up.weight"], written["blk.1.ffn_down.weight"]) == ("Q4_K", "Q5_0", "Q8_0")
+
+
+def test_moe_plan_is_refused(tmp_path, tiny_tokenizer):
+    from architectures import save_architecture
+    from references import one_line_error
+
+    model = save_architecture("qwen2_moe", tmp_path / "moe", tiny_tokenizer)
+    config = ExportConfig(model, tmp_path / "m.gguf", Target.q8_0)
+    assert "MoE experts" in one_line_error(gguf_plan, model, PlanSpec(layers={"model.layers.0.mlp.gate": "q8_0"}), config)
