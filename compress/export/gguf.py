@@ -1,4 +1,4 @@
-"""Export a checkpoint (llama, mistral, qwen2/3, phi3, gemma2/3, gpt2) to one GGUF file that llama.cpp loads.
+"""Export a checkpoint (llama, mistral, qwen2/3, phi3, gemma2/3, gpt2, mixtral, qwen2/3-MoE) to one GGUF file for llama.cpp.
 
 What is written (ggml ``docs/gguf.md``; llama.cpp ``conversion/*.py``):
 
