@@ -90,45 +90,41 @@ def half_reference(tmp_path_factory, llama_cpp_runs):
     return out
 
 
+def assert_llama_quantize_writes_ours(model, tmp_path, target: Target, ftype: int, pure: bool) -> dict[str, str]:
+    """``llama_model_quantize`` (file type ``ftype``, in a child process) of our F16 file of ``model`` writes the
+    same tensors, types and bytes as our ``target`` export of it; returns the tensor types."""
+    from gguf import GGUFReader
+
+    f16, ours, theirs = tmp_path / "f16.gguf", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
+    export_gguf(ExportConfig(model, f16, Target.f16))
+    export_gguf(ExportConfig(model, ours, target))
+    quantize(f16, theirs, ftype, pure=pure, threads=2)
+    a = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(ours)).tensors}
+    b = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(theirs)).tensors}
+    types = {k: v[0] for k, v in a.items()}
+    assert types == {k: v[0] for k, v in b.items()}
+    differing = [k for k in a if a[k][1] != b[k][1]]
+    assert not differing, differing
+    return types
+
+
 @pytest.mark.parametrize(
     "target, ftype", [(Target.q4_0, 2), (Target.q2_k, 10), (Target.q4_k, 14), (Target.q6_k, 18)],
     ids=lambda v: getattr(v, "value", str(v)),
 )
 def test_our_file_is_llama_quantize_output(half_reference, tmp_path, target, ftype):
     """``llama_model_quantize --pure`` of our F16 file writes the same tensor bytes as our exporter."""
-    from gguf import GGUFReader
-
-    f16 = tmp_path / "f16.gguf"
-    export_gguf(ExportConfig(half_reference, f16, Target.f16))
-    ours = tmp_path / "ours.gguf"
-    export_gguf(ExportConfig(half_reference, ours, target))
-    theirs = tmp_path / "theirs.gguf"
-    quantize(f16, theirs, ftype, pure=True, threads=2)  # llama_model_quantize, in a child process
-    a = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(ours)).tensors}
-    b = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(theirs)).tensors}
-    assert a.keys() == b.keys()
-    assert {k: v[0] for k, v in a.items()} == {k: v[0] for k, v in b.items()}
-    differing = [k for k in a if a[k][1] != b[k][1]]
-    assert not differing, differing
+    assert_llama_quantize_writes_ours(half_reference, tmp_path, target, ftype, pure=True)
 
 
 def test_phi3_q4_k_m_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_cpp_runs):
     """llama-quantize's Q4_K_M rules on a fused ``attn_qkv`` (attn_v-like: Q6_K where use_more_bits) and the rest, on a Phi-3 wide
     enough for k-quant blocks: the same types and bytes as our exporter (from the same F16 file)."""
-    from gguf import GGUFReader
-
     from architectures import save_architecture
 
     model = save_architecture("phi3", tmp_path / "phi3", tiny_tokenizer, hidden_size=256, intermediate_size=512, dtype="float16")
-    f16, ours, theirs = tmp_path / "f16.gguf", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
-    export_gguf(ExportConfig(model, f16, Target.f16))
-    export_gguf(ExportConfig(model, ours, Target.q4_k_m))
-    quantize(f16, theirs, 15, pure=False, threads=2)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
-    a = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(ours)).tensors}
-    b = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(theirs)).tensors}
-    assert {k: v[0] for k, v in a.items()} == {k: v[0] for k, v in b.items()}
-    assert (a["blk.0.attn_qkv.weight"][0], a["blk.1.attn_qkv.weight"][0]) == ("Q4_K", "Q6_K")
-    assert [k for k in a if a[k][1] != b[k][1]] == []
+    types = assert_llama_quantize_writes_ours(model, tmp_path, Target.q4_k_m, 15, pure=False)  # LLAMA_FTYPE_MOSTLY_Q4_K_M
+    assert (types["blk.0.attn_qkv.weight"], types["blk.1.attn_qkv.weight"]) == ("Q4_K", "Q6_K")
 
 
 @pytest.mark.parametrize("kind, experts, target, ftype", [("mixtral", 8, Target.q4_k_m, 15), ("mixtral", 8, Target.q3_k_m, 12),
@@ -137,22 +133,12 @@ def test_moe_file_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_cpp_r
     """MoE experts stacked per block and role (``ffn_*_exps``), the router in F32, Qwen2-MoE's shared expert and
     its gate: ``llama_model_quantize`` of our F16 file writes the same types and bytes as our export, 8-expert
     rules included (attn_v/attn_k Q8_0, attn_output Q5_K: llama.cpp's Mixtral-8x7B bumps)."""
-    from gguf import GGUFReader
-
     from architectures import save_architecture
 
     sizes = dict(hidden_size=256, intermediate_size=256, moe_intermediate_size=256, shared_expert_intermediate_size=256)
     counts = {"num_local_experts": experts} if kind == "mixtral" else {"num_experts": experts}
     model = save_architecture(kind, tmp_path / kind, tiny_tokenizer, dtype="float16", **sizes, **counts)
-    f16, ours, theirs = tmp_path / "f16.gguf", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
-    export_gguf(ExportConfig(model, f16, Target.f16))
-    export_gguf(ExportConfig(model, ours, target))
-    quantize(f16, theirs, ftype, pure=False, threads=2)
-    a = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(ours)).tensors}
-    b = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(theirs)).tensors}
-    types = {k: v[0] for k, v in a.items()}
-    assert types == {k: v[0] for k, v in b.items()}
-    assert not [k for k in a if a[k][1] != b[k][1]]
+    types = assert_llama_quantize_writes_ours(model, tmp_path, target, ftype, pure=False)
     assert types["blk.0.ffn_gate_inp.weight"] == "F32"
     if experts == 8:
         assert types["blk.1.attn_v.weight"] == types["blk.1.attn_k.weight"] == "Q8_0" and types["blk.1.attn_output.weight"] == "Q5_K"
@@ -165,8 +151,6 @@ def test_i_quant_file_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_c
     the same tensor types and bytes as our export: IQ3_S ``--pure``, and llama.cpp's IQ4_XS file type with
     its per-tensor rules (attn_v Q5_K for the GQA, blk.0.ffn_down Q5_K without an imatrix, output Q6_K, the
     rest IQ4_XS) as our ``iq4_xs_mix``."""
-    from gguf import GGUFReader
-
     from compress.formats.gguf import plan
     from compress.formats.gguf.sizes import GGMLType
     from conftest import save_random_model, tiny_llama_config
@@ -174,15 +158,7 @@ def test_i_quant_file_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_c
     config = tiny_llama_config(len(tiny_tokenizer), hidden_size=256, intermediate_size=256, num_hidden_layers=blocks,
                                num_attention_heads=4, num_key_value_heads=1)
     model = save_random_model(config, tmp_path / "model", tiny_tokenizer, seed=3, dtype=torch.float16)
-    f16, ours, theirs = tmp_path / "f16.gguf", tmp_path / "ours.gguf", tmp_path / "theirs.gguf"
-    export_gguf(ExportConfig(model, f16, Target.f16))
-    export_gguf(ExportConfig(model, ours, target))
-    quantize(f16, theirs, ftype, pure=pure, threads=2)
-    a = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(ours)).tensors}
-    b = {t.name: (t.tensor_type.name, np.array(t.data).tobytes()) for t in GGUFReader(str(theirs)).tensors}
-    types = {k: v[0] for k, v in a.items()}
-    assert types == {k: v[0] for k, v in b.items()}
-    assert not [k for k in a if a[k][1] != b[k][1]]
+    types = assert_llama_quantize_writes_ours(model, tmp_path, target, ftype, pure=pure)
     if target == Target.iq3_s:
         assert set(types[k] for k in types if not k.endswith("norm.weight")) == {"IQ3_S"}
         return
@@ -251,7 +227,8 @@ def test_smollm2_q4_k_m_falls_back_like_llama_quantize(smollm2, tmp_path, llama_
 def test_llama_cpp_runs_our_file_of_another_architecture(tmp_path, tiny_tokenizer, llama_cpp_runs, kind, overrides):
     """Qwen3 (per-head q/k RMS norms, head_dim 32 where hidden/heads is 16), Phi-3 (fused q/k/v and gate/up) and
     Gemma 2 (norms as 1 + w, four norms a block, logit soft-capping, scaled embeddings) and Gemma 3 (q/k norms,
-    5 sliding-window layers of 6 with their own RoPE base: 7 blocks use both), all NEOX RoPE: llama.cpp's
+    5 sliding-window layers of 6 with their own RoPE base: 7 blocks use both), all NEOX RoPE; GPT-2 (Conv1D weights,
+    learned positions, LayerNorm) and the MoE families (stacked experts; Qwen2-MoE's gated shared expert): llama.cpp's
     perplexity of our F16 file is within 0.5% of transformers' on the checkpoint, and its raw logits agree."""
     from transformers import AutoModelForCausalLM
 
