@@ -12,6 +12,8 @@ llama.cpp's ``llama-quantize --pure``. Mixed presets follow ``llama_tensor_get_t
   layers; Q4_K_S -> Q5_K below n/8;
 - ``attn_output``: Q3_K_M -> Q4_K;
 - a fused ``attn_qkv`` (Phi-3) is ``attn_v``-like (llama.cpp's ``category_is_attn_v``) and follows its rules;
+- ``iq3_m`` (llama.cpp's IQ3_M file type, IQ3_S elsewhere): ``attn_v`` and ``attn_output`` -> Q4_K, ``ffn_down``
+  -> Q4_K below n/8;
 - ``iq4_xs_mix`` (llama.cpp's IQ4_XS file type): ``attn_v`` -> Q5_K when ``n_head/n_head_kv ≥ 4``;
   ``ffn_down`` -> Q5_K below n/8 when no importance matrix is used (llama.cpp's ``has_imatrix``; GPTQ's
   Hessian-weighted fit counts as one).
@@ -59,6 +61,7 @@ class Target(str, Enum):
     iq4_nl = "iq4_nl"
     iq4_xs = "iq4_xs"
     iq4_xs_mix = "iq4_xs_mix"
+    iq3_m = "iq3_m"
 
 
 BASE = {
@@ -67,15 +70,16 @@ BASE = {
     Target.q5_k: G.Q5_K, Target.q6_k: G.Q6_K, Target.q3_k_m: G.Q3_K, Target.q4_k_s: G.Q4_K,
     Target.q4_k_m: G.Q4_K, Target.q5_k_s: G.Q5_K, Target.q5_k_m: G.Q5_K,
     Target.iq3_s: G.IQ3_S, Target.iq4_nl: G.IQ4_NL, Target.iq4_xs: G.IQ4_XS, Target.iq4_xs_mix: G.IQ4_XS,
+    Target.iq3_m: G.IQ3_S,
 }
-PRESETS = {Target.q3_k_m, Target.q4_k_s, Target.q4_k_m, Target.q5_k_s, Target.q5_k_m, Target.iq4_xs_mix}
+PRESETS = {Target.q3_k_m, Target.q4_k_s, Target.q4_k_m, Target.q5_k_s, Target.q5_k_m, Target.iq4_xs_mix, Target.iq3_m}
 
 # general.file_type (llama.cpp LLAMA_FTYPE_*); a pure k-quant file is "mostly" that type (the _S id).
 FILE_TYPE = {
     Target.f16: 1, Target.bf16: 32, Target.q8_0: 7, Target.q4_0: 2, Target.q4_1: 3, Target.q5_0: 8,
     Target.q5_1: 9, Target.q2_k: 10, Target.q3_k: 11, Target.q4_k: 14, Target.q5_k: 16, Target.q6_k: 18,
     Target.q3_k_m: 12, Target.q4_k_s: 14, Target.q4_k_m: 15, Target.q5_k_s: 16, Target.q5_k_m: 17,
-    Target.iq3_s: 26, Target.iq4_nl: 25, Target.iq4_xs: 30, Target.iq4_xs_mix: 30,
+    Target.iq3_s: 26, Target.iq4_nl: 25, Target.iq4_xs: 30, Target.iq4_xs_mix: 30, Target.iq3_m: 27,
 }
 
 FALLBACK = {G.Q2_K: G.Q4_0, G.Q3_K: G.Q4_0, G.Q4_K: G.Q5_0, G.Q5_K: G.Q5_1, G.Q6_K: G.Q8_0, G.IQ3_S: G.IQ4_NL, G.IQ4_XS: G.IQ4_NL}
@@ -173,6 +177,8 @@ def _mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: int, 
         i, kind = _layer(name), base
         if target == Target.iq4_xs_mix and n_gqa >= 4:
             kind = G.Q5_K
+        elif target == Target.iq3_m:
+            kind = G.Q4_K
         elif target == Target.q3_k_m:
             kind = G.Q5_K if i < 2 else G.Q4_K
         elif target in (Target.q4_k_m, Target.q5_k_m) and use_more_bits(i, n_layers):
@@ -188,14 +194,16 @@ def _mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: int, 
             return G.Q5_K if not has_imatrix and i < n_layers // 8 else base
         if target == Target.q3_k_m:
             return G.Q5_K if i < n_layers // 16 else G.Q4_K
+        if target == Target.iq3_m:
+            return G.Q4_K if i < n_layers // 8 or (eight_experts and use_more_bits(i, n_layers)) else base
         if target in (Target.q4_k_m, Target.q5_k_m) and use_more_bits(i, n_layers):
             return G.Q6_K
         if target == Target.q4_k_s and i < n_layers // 8:
             return G.Q5_K
     elif _is(name, "attn_output.weight"):
         if eight_experts:
-            return G.Q5_K if target in (Target.q3_k_m, Target.q4_k_s, Target.q4_k_m, Target.iq4_xs_mix) else base
-        if target == Target.q3_k_m:
+            return G.Q5_K if target in (Target.q3_k_m, Target.q4_k_s, Target.q4_k_m, Target.iq4_xs_mix, Target.iq3_m) else base
+        if target in (Target.q3_k_m, Target.iq3_m):
             return G.Q4_K
     return base
 

@@ -144,7 +144,8 @@ def test_moe_file_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_cpp_r
         assert types["blk.1.attn_v.weight"] == types["blk.1.attn_k.weight"] == "Q8_0" and types["blk.1.attn_output.weight"] == "Q5_K"
 
 
-@pytest.mark.parametrize("target, ftype, pure, blocks", [(Target.iq4_xs_mix, 30, False, 8), (Target.iq3_s, 26, True, 2)],
+@pytest.mark.parametrize("target, ftype, pure, blocks", [(Target.iq4_xs_mix, 30, False, 8), (Target.iq3_s, 26, True, 2),
+                                                         (Target.iq3_m, 27, False, 8)],
                          ids=lambda v: getattr(v, "value", str(v)))
 def test_i_quant_file_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_cpp_runs, target, ftype, pure, blocks):
     """``llama_model_quantize`` of our F16 file of a small float16 model (4 query heads per KV head) writes
@@ -161,6 +162,10 @@ def test_i_quant_file_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_c
     types = assert_llama_quantize_writes_ours(model, tmp_path, target, ftype, pure=pure)
     if target == Target.iq3_s:
         assert set(types[k] for k in types if not k.endswith("norm.weight")) == {"IQ3_S"}
+        return
+    if target == Target.iq3_m:  # llama.cpp's IQ3_M: Q4_K for attn_v, attn_output and the first n/8 ffn_down
+        assert types["blk.3.attn_v.weight"] == types["blk.3.attn_output.weight"] == types["blk.0.ffn_down.weight"] == "Q4_K"
+        assert types["blk.1.ffn_down.weight"] == types["blk.1.attn_q.weight"] == "IQ3_S" and types["output.weight"] == "Q6_K"
         return
     assert types["blk.0.ffn_down.weight"] == types["blk.5.attn_v.weight"] == "Q5_K" and types["output.weight"] == "Q6_K"
     assert types["blk.1.ffn_down.weight"] == types["token_embd.weight"] == "IQ4_XS"
