@@ -55,6 +55,7 @@ ProgressFn = Callable[[str, int, int], None]
 
 
 OUTPUT_LAYER = "lm_head"  # the llama-family output layer (GGUF output.weight)
+FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)  # written as they are: nothing to solve
 
 
 def solve_output_layer(handle, norm_name: str, hidden: list[torch.Tensor], solver: GGUFGPTQ, device, ranks: Ranks) -> list[LayerReport]:
@@ -79,6 +80,9 @@ def layer_types(model: Path, config: ExportConfig) -> dict[str, GGMLType]:
     """Checkpoint (on-disk) linear layer name -> its GGML type, for the block-quantized weights of the export
     plan (each expert of a stacked MoE tensor too)."""
     plan = _tensor_plan(CheckpointReader(model), read_config(model), config.target, config.has_imatrix, config.types)
+    unsolvable = sorted({e.kind.name for e in plan if len(e.shape) >= 2 and not is_block_quantized(e.kind) and e.kind not in FLOAT_TYPES})
+    if unsolvable:
+        raise CompressError(f"GPTQ/AWQ in the {', '.join(unsolvable)} grid is not implemented: export that type with --method rtn or imatrix")
     return {
         name.removesuffix(".weight"): kind
         for sources, _, kind, shape in plan

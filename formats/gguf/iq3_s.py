@@ -84,9 +84,10 @@ class Tables:
 
 
 @cache
-def tables() -> Tables:
-    """ggml's ``iq3xs_init_impl(512)``: the grid, the code -> point map, and each off-grid code's neighbours."""
-    kgrid = np.array(_KGRID_512, dtype=np.int32)
+def tables(kgrid: tuple[int, ...] = _KGRID_512, n_want: int = N_WANT) -> Tables:
+    """ggml's ``iq3xs_init_impl``: the grid (``kgrid``: each point's levels as Σ level_i·8^i; IQ3_S's 512 by
+    default), the code -> point map, and each off-grid code's neighbours at the ``n_want`` smallest distances."""
+    kgrid = np.array(kgrid, dtype=np.int32)
     grid = ((kgrid[:, None] >> (3 * np.arange(GROUP))) & 7).astype(np.uint8)
     index = np.full(8**GROUP, -1, dtype=np.int32)
     index[kgrid] = np.arange(len(kgrid), dtype=np.int32)
@@ -97,7 +98,7 @@ def tables() -> Tables:
     lists = []
     for code in np.flatnonzero(index < 0):
         d = dist2[code, order[code]]
-        cutoff = np.unique(d)[N_WANT - 1]
+        cutoff = np.unique(d)[n_want - 1]
         lists.append(order[code][d <= cutoff])
     neighbours = np.full((8**GROUP, max(len(x) for x in lists)), -1, dtype=np.int32)
     for code, found in zip(np.flatnonzero(index < 0), lists):
@@ -116,10 +117,9 @@ def _codes(levels: np.ndarray) -> np.ndarray:
     return (levels.reshape(levels.shape[0], -1, GROUP) << (3 * np.arange(GROUP))).sum(axis=-1)
 
 
-def _snap(levels: np.ndarray, xval: np.ndarray, waux: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def _snap(t: Tables, levels: np.ndarray, xval: np.ndarray, waux: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Grid points ``[M, 8]`` for rounded ``levels``: the point itself, or for an off-grid group the neighbour
     nearest ``|x|`` at ``scale`` (``iq3_find_best_neighbour``, weighted by ``waux``); and which were on it."""
-    t = tables()
     codes = _codes(levels)
     point = t.index[codes]
     off = point < 0
@@ -151,23 +151,26 @@ def _sums(levels: np.ndarray, xval: np.ndarray, w: np.ndarray) -> tuple[np.ndarr
     return _running_sum(np.ascontiguousarray((w * xval * q).T)), _running_sum(np.ascontiguousarray((w * q * q).T))
 
 
-def block_fit(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Per block of 32 (rows of ``x``, ``w`` ``[M, 32]``): (scale ``[M]``, grid points ``[M, 8]``) as ggml
-    picks them; the scale is 0 exactly for an all-zero block (any other fit is positive)."""
-    t = tables()
-    xval = np.where(x >= 0, x, -x).astype(F32)
+def block_fit(xval: np.ndarray, w: np.ndarray, t: Tables | None = None, steps: int = 9, tiny: float = 0.0,
+              resnap_all: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Per block of 32 (rows of ``xval``, ``w`` ``[M, 32]``; ``xval`` the magnitudes to fit, |x| for IQ3_S):
+    (scale ``[M]``, grid points ``[M, 8]``) as ggml picks them on grid ``t`` (IQ3_S's by default) from the trial
+    inverse scales ``(15 + 0.2·s)/max`` for s in −steps..steps; a block whose largest value is ≤ ``tiny`` is
+    empty (scale 0, levels 0). When a group was off the grid, the groups are snapped again at the fitted scale:
+    every group for IQ3_S, only the off-grid ones with ``resnap_all=False`` (IQ3_XXS)."""
+    t = t or tables()
     waux = np.sqrt(w).astype(F32)
     top = xval.max(axis=1)
-    empty = top == 0
+    empty = top <= F32(tiny)
     top = np.where(empty, F32(1), top)
     scale, best = (top / F32(15)).astype(F32), np.zeros_like(top)
-    levels = np.zeros(x.shape, dtype=np.int32)
-    on_grid = np.zeros((x.shape[0], SUB // GROUP), dtype=bool)
+    levels = np.zeros(xval.shape, dtype=np.int32)
+    on_grid = np.zeros((xval.shape[0], SUB // GROUP), dtype=bool)
     with np.errstate(divide="ignore", invalid="ignore"):
-        for step in range(-9, 10):
+        for step in range(-steps, steps + 1):
             inverse = (F32(15) + F32(step) * F32(0.2)) / top
-            point, on = _snap(_levels(inverse, xval), xval, waux, F32(1) / inverse)
-            trial = t.grid[point].reshape(x.shape[0], -1).astype(np.int32)
+            point, on = _snap(t, _levels(inverse, xval), xval, waux, F32(1) / inverse)
+            trial = t.grid[point].reshape(xval.shape[0], -1).astype(np.int32)
             sumqx, sumq2 = _sums(trial, xval, w)
             better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
             scale = np.where(better, sumqx / sumq2, scale)
@@ -177,8 +180,10 @@ def block_fit(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         redo = ~on_grid.all(axis=1) & (scale > 0) & ~empty
         if redo.any():
             r = np.flatnonzero(redo)
-            point, _ = _snap(_levels(F32(1) / scale[r], xval[r]), xval[r], waux[r], scale[r])
-            levels[r] = t.grid[point].reshape(len(r), -1)
+            point, _ = _snap(t, _levels(F32(1) / scale[r], xval[r]), xval[r], waux[r], scale[r])
+            snapped = t.grid[point].reshape(len(r), -1)
+            keep = on_grid[r].repeat(GROUP, axis=1) & (not resnap_all)
+            levels[r] = np.where(keep, levels[r], snapped)
             sumqx, sumq2 = _sums(levels[r], xval[r], w[r])
             scale[r] = np.where(sumq2 > 0, sumqx / sumq2, scale[r])
     return np.where(empty, F32(0), scale).astype(F32), t.index[_codes(levels)]
@@ -202,7 +207,7 @@ def fit(blocks: np.ndarray, qw: np.ndarray | None = None) -> tuple[IQ3Grid, np.n
     """(grid, points ``[N, 64]``, negative ``[N, 256]``) of ggml's encoder; with ``qw`` its imatrix fit."""
     n = blocks.shape[0]
     x = blocks.astype(F32, copy=False)
-    scales, points = block_fit(x.reshape(-1, SUB), error_weights(x, qw).reshape(-1, SUB))
+    scales, points = block_fit(np.where(x >= 0, x, -x).reshape(-1, SUB), error_weights(x, qw).reshape(-1, SUB))
     scales = scales.reshape(n, QK_K // SUB)
     top = scales.max(axis=1, initial=F32(0))
     d = (top / F32(31)).astype(F32)

@@ -19,8 +19,8 @@ llama.cpp's ``llama-quantize --pure``. Mixed presets follow ``llama_tensor_get_t
   Hessian-weighted fit counts as one).
 
 Either way a type whose block does not divide the row length falls back as llama.cpp's
-``tensor_type_fallback`` does (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS ->
-IQ4_NL, IQ3_S -> IQ4_NL, then F16).
+``tensor_type_fallback`` does (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS,
+IQ3_S and IQ3_XXS -> IQ4_NL, then F16).
 1-D tensors (norms, biases), GPT-2's position embeddings and MoE routers (``ffn_gate_inp``) are always F32;
 a matrix of one row (Qwen2-MoE's ``ffn_gate_inp_shexp``), 1-D to ggml, stays F16 as llama-quantize leaves it.
 MoE experts are stacked per block and role (``ffn_{gate,up,down}_exps``, ``[n_expert, out, in]``) and follow
@@ -58,6 +58,7 @@ class Target(str, Enum):
     q5_k_s = "q5_k_s"
     q5_k_m = "q5_k_m"
     iq3_s = "iq3_s"
+    iq3_xxs = "iq3_xxs"
     iq4_nl = "iq4_nl"
     iq4_xs = "iq4_xs"
     iq4_xs_mix = "iq4_xs_mix"
@@ -70,7 +71,7 @@ BASE = {
     Target.q5_k: G.Q5_K, Target.q6_k: G.Q6_K, Target.q3_k_m: G.Q3_K, Target.q4_k_s: G.Q4_K,
     Target.q4_k_m: G.Q4_K, Target.q5_k_s: G.Q5_K, Target.q5_k_m: G.Q5_K,
     Target.iq3_s: G.IQ3_S, Target.iq4_nl: G.IQ4_NL, Target.iq4_xs: G.IQ4_XS, Target.iq4_xs_mix: G.IQ4_XS,
-    Target.iq3_m: G.IQ3_S,
+    Target.iq3_m: G.IQ3_S, Target.iq3_xxs: G.IQ3_XXS,
 }
 PRESETS = {Target.q3_k_m, Target.q4_k_s, Target.q4_k_m, Target.q5_k_s, Target.q5_k_m, Target.iq4_xs_mix, Target.iq3_m}
 
@@ -80,9 +81,11 @@ FILE_TYPE = {
     Target.q5_1: 9, Target.q2_k: 10, Target.q3_k: 11, Target.q4_k: 14, Target.q5_k: 16, Target.q6_k: 18,
     Target.q3_k_m: 12, Target.q4_k_s: 14, Target.q4_k_m: 15, Target.q5_k_s: 16, Target.q5_k_m: 17,
     Target.iq3_s: 26, Target.iq4_nl: 25, Target.iq4_xs: 30, Target.iq4_xs_mix: 30, Target.iq3_m: 27,
+    Target.iq3_xxs: 23,
 }
 
-FALLBACK = {G.Q2_K: G.Q4_0, G.Q3_K: G.Q4_0, G.Q4_K: G.Q5_0, G.Q5_K: G.Q5_1, G.Q6_K: G.Q8_0, G.IQ3_S: G.IQ4_NL, G.IQ4_XS: G.IQ4_NL}
+FALLBACK = {G.Q2_K: G.Q4_0, G.Q3_K: G.Q4_0, G.Q4_K: G.Q5_0, G.Q5_K: G.Q5_1, G.Q6_K: G.Q8_0, G.IQ3_S: G.IQ4_NL, G.IQ3_XXS: G.IQ4_NL,
+            G.IQ4_XS: G.IQ4_NL}
 
 # HF parameter name -> GGUF tensor name (gguf-py constants.py MODEL_TENSORS for LLAMA / QWEN2 / QWEN3)
 _TOP = {
@@ -125,6 +128,15 @@ _GPT2_BLOCK = {"ln_1": "attn_norm", "attn.c_attn": "attn_qkv", "attn.c_proj": "a
 _GPT2_BLOCK_RE = re.compile(r"(?:transformer\.)?h\.(\d+)\.(.+)\.(weight|bias)$")
 _NAMES = {"gpt2": ({**_GPT2_TOP, **{f"transformer.{k}": v for k, v in _GPT2_TOP.items()}, "lm_head.weight": "output.weight"},
                    _GPT2_BLOCK_RE, _GPT2_BLOCK)}
+# Types llama-quantize writes only from an importance matrix (``tensor_requires_imatrix``; embeddings and output
+# excepted): their lattice fit without one is too poor to ship.
+NEEDS_IMATRIX = {G.IQ3_XXS}
+
+
+def needs_imatrix(name: str, kind: GGMLType) -> bool:
+    return kind in NEEDS_IMATRIX and name not in ("token_embd.weight", "output.weight")
+
+
 # Kept in float32 whatever the target, as llama.cpp's converter writes and llama-quantize keeps them.
 ALWAYS_F32 = ("position_embd.weight", "ffn_gate_inp.weight")  # learned positions, MoE routers
 

@@ -7,6 +7,8 @@ fails then). llama.cpp always runs in a child process (`compress.eval.llama_cpp_
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
@@ -48,9 +50,10 @@ def exported(tmp_path_factory, llama_cpp_runs):
 
 # every plain type and one llama.cpp mix (the other mixes only combine these types differently), but the
 # i-quants: IQ4_XS is checked on its GPTQ file (tests/compress/export/test_calibrated.py), IQ4_NL is IQ4_XS's
-# codebook in blocks of 32 (its bytes are ggml's, test_ggml_reference.py), IQ3_S's file is llama.cpp's own (below)
+# codebook in blocks of 32 (its bytes are ggml's, test_ggml_reference.py), IQ3_S's file is llama.cpp's own (below),
+# IQ3_XXS needs an imatrix (below)
 @pytest.mark.parametrize(
-    "target", [t for t in Target if t not in PRESETS | {Target.iq4_nl, Target.iq4_xs, Target.iq3_s}] + [Target.q4_k_m],
+    "target", [t for t in Target if t not in PRESETS | {Target.iq4_nl, Target.iq4_xs, Target.iq3_s, Target.iq3_xxs}] + [Target.q4_k_m],
     ids=lambda t: t.value,
 )
 def test_llama_cpp_loads_generates_and_agrees_with_our_evaluator(exported, eval_ids, target):
@@ -160,8 +163,8 @@ def test_i_quant_file_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_c
                                num_attention_heads=4, num_key_value_heads=1)
     model = save_random_model(config, tmp_path / "model", tiny_tokenizer, seed=3, dtype=torch.float16)
     types = assert_llama_quantize_writes_ours(model, tmp_path, target, ftype, pure=pure)
-    if target == Target.iq3_s:
-        assert set(types[k] for k in types if not k.endswith("norm.weight")) == {"IQ3_S"}
+    if target in (Target.iq3_s, Target.iq3_xxs):
+        assert set(types[k] for k in types if not k.endswith("norm.weight")) == {target.value.upper()}
         return
     if target == Target.iq3_m:  # llama.cpp's IQ3_M: Q4_K for attn_v, attn_output and the first n/8 ffn_down
         assert types["blk.3.attn_v.weight"] == types["blk.3.attn_output.weight"] == types["blk.0.ffn_down.weight"] == "Q4_K"
@@ -173,22 +176,40 @@ def test_i_quant_file_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_c
     assert plan.tensor_type(Target.iq4_xs_mix, "blk.0.ffn_down.weight", (256, 256), 8, False, n_gqa=4, has_imatrix=True) == GGMLType.IQ4_XS
 
 
+@pytest.fixture(scope="module")
+def reference_imatrix(tmp_path_factory) -> Path:
+    """``compress imatrix`` of the reference model on the calibration slice (32 windows of 512)."""
+    from compress.export.imatrix import ImatrixConfig, run_imatrix
+
+    imatrix = tmp_path_factory.mktemp("imatrix-test") / "imatrix.gguf"
+    run_imatrix(ImatrixConfig(REFERENCE_MODEL, CALIB_TEXT, imatrix, samples=32, seq_len=512))
+    return imatrix
+
+
+def test_iq3_xxs_needs_an_imatrix_and_llama_cpp_agrees(reference_imatrix, eval_ids, tmp_path):
+    """IQ3_XXS without an importance matrix is refused as llama-quantize refuses it; with one, llama.cpp's
+    perplexity of the file is within 0.5% of our evaluator's on transformers' dequantization."""
+    from references import one_line_error
+
+    plain = tmp_path / "plain.gguf"
+    assert "needs an importance matrix" in one_line_error(export_gguf, ExportConfig(REFERENCE_MODEL, plain, Target.iq3_xxs))
+    assert not plain.exists()
+    path = tmp_path / "iq3_xxs.gguf"
+    export_gguf(ExportConfig(REFERENCE_MODEL, path, Target.iq3_xxs, imatrix=reference_imatrix))
+    ours = evaluate(transformers_model(path), torch.tensor(eval_ids), ctx=512).perplexity
+    theirs = llamacpp_perplexity(path, eval_ids, ctx=512)
+    assert abs(theirs / ours - 1) < 0.005, (theirs, ours)
+
+
 @pytest.mark.parametrize("target", [Target.q2_k, Target.q3_k], ids=lambda t: t.value)
-def test_imatrix_export_lowers_llama_cpps_perplexity(exported, tmp_path_factory, target):
+def test_imatrix_export_lowers_llama_cpps_perplexity(exported, reference_imatrix, tmp_path_factory, target):
     """An imatrix from the calibration slice (``compress imatrix``, 32 windows of 512) steers the
     rounding toward the columns that carry signal: llama.cpp's perplexity on held-out text drops
     below plain rounding's (measured: Q2_K 65.59 -> 65.14, Q3_K 61.87 -> 61.10 on 4096 tokens)."""
     from tokenizers import Tokenizer
 
-    from compress.export.imatrix import ImatrixConfig, run_imatrix
-
-    root = tmp_path_factory.getbasetemp() / "imatrix-test"
-    imatrix = root / "imatrix.gguf"
-    if not imatrix.exists():
-        root.mkdir(exist_ok=True)
-        run_imatrix(ImatrixConfig(REFERENCE_MODEL, CALIB_TEXT, imatrix, samples=32, seq_len=512))
-    weighted = root / f"ref-{target.value}-imatrix.gguf"
-    export_gguf(ExportConfig(REFERENCE_MODEL, weighted, target, imatrix=imatrix))
+    weighted = tmp_path_factory.mktemp("imatrix-export") / f"ref-{target.value}-imatrix.gguf"
+    export_gguf(ExportConfig(REFERENCE_MODEL, weighted, target, imatrix=reference_imatrix))
     ids = Tokenizer.from_file(str(REFERENCE_MODEL / "tokenizer.json")).encode(EVAL_TEXT.read_text(encoding="utf-8")).ids[:4096]
     plain_ppl = llamacpp_perplexity(exported(target), ids)
     weighted_ppl = llamacpp_perplexity(weighted, ids)

@@ -1,0 +1,110 @@
+"""IQ3_XXS: super-blocks of 256 weights in 8 blocks of 32, magnitudes from a 256-point grid in 4-D, signs of each 8
+with even parity (3.0625 bpw).
+
+Layout (``block_iq3_xxs``, ggml ``ggml-common.h``): ``d`` (f16), ``qs[64]`` (each group of 4's grid index), then
+per block of 32 a little-endian uint32: bits 7k..7k+6 the signs of its group of 8 number k (bit i: element
+8k + i is negative; the 8th sign is the parity of the 7, ggml's ``ksigns_iq2xs``), bits 28..31 the 4-bit scale.
+``x = d·(0.5 + sc)·0.5·GRID[index][i]·(±1)``, ``GRID`` gguf-py's ``IQ3_XXS.grid`` (4·(2l + 1), 62 for l = 7).
+
+Encoding follows ggml's ``quantize_row_iq3_xxs_impl(256)``: IQ3_S's search (`iq3_s.block_fit`) on the 256-point
+grid with neighbour lists of the 2 smallest distances and 31 trial scales (t in −15..15), re-snapping only the
+off-grid groups at the fitted scale; a block whose largest value is below 1e-8 is left empty. Signs are fixed first: a group of 8 with an odd number of negatives flips its
+element of least ``weight·x²`` (the first such), which then enters the fit with a negated magnitude. A block
+whose fitted scale comes out negative flips all its signs. ``d = max/31`` is stored ×1.0125, block scales
+``round((s/d − 1)/2)``; a super-block whose scales are all 0 is all zero bytes. Shapes: ``[N, 256]`` <->
+``[N, 98]`` uint8. No GPTQ grid: the parity couples 8 signs, which GPTQ's per-group rounding does not model.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import numpy as np
+
+from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, nearest_int, safe_reciprocal
+from compress.formats.gguf.iq3_s import SUB, Tables, block_fit, tables
+from compress.formats.gguf.iq4_nl import error_weights
+from compress.formats.gguf.sizes import QK_K, GGMLType
+
+KIND = GGMLType.IQ3_XXS
+TINY = 1e-8  # ggml's GROUP_MAX_EPS_IQ3_XXS
+
+
+@cache
+def grid_values() -> np.ndarray:
+    """gguf-py's ``IQ3_XXS.grid``: the 256 points' decoded values ``[256, 4]`` (4, 12, ..., 52, 62)."""
+    from gguf.quants import IQ3_XXS
+
+    IQ3_XXS.init_grid()
+    return np.asarray(IQ3_XXS.grid, dtype=np.uint8).reshape(256, 4)
+
+
+def grid_tables() -> Tables:
+    """ggml's ``iq3xs_init_impl(256)``: levels ``value // 8`` (values 4·(2l + 1), 62 for 7), 2 neighbour distances."""
+    levels = grid_values().astype(np.int64) // 8
+    return tables(tuple(int(c) for c in (levels << (3 * np.arange(4))).sum(axis=1)), 2)
+
+
+def _parity_signs(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(negative ``[N, 256]`` with even parity per 8, the magnitudes to fit ``[N, 256]``)."""
+    negative = ~(x >= 0)
+    groups = negative.reshape(-1, 8)
+    odd = groups.sum(axis=1) % 2 == 1
+    least = np.argmin((w * x * x).reshape(-1, 8), axis=1)  # the first minimum, as ggml's strict <
+    flip = np.zeros_like(groups)
+    flip[np.flatnonzero(odd), least[odd]] = True
+    flip = flip.reshape(x.shape)
+    xval = np.where(x >= 0, x, -x).astype(F32)
+    return negative ^ flip, np.where(flip, -xval, xval)
+
+
+def fit(blocks: np.ndarray, qw: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(d ``[N, 1]`` before the float16 store, 4-bit scales ``[N, 8]``, points ``[N, 64]``, negative ``[N, 256]``)."""
+    n = blocks.shape[0]
+    x = blocks.astype(F32, copy=False)
+    w = error_weights(x, qw)
+    negative, xval = _parity_signs(x, w)
+    scales, points = block_fit(xval.reshape(-1, SUB), w.reshape(-1, SUB), grid_tables(), steps=15, tiny=TINY,
+                               resnap_all=False)
+    flipped = (scales < 0).reshape(n, -1)  # never seen; ggml guards it by flipping the block's signs
+    negative = negative ^ flipped.repeat(SUB, axis=1)
+    scales = np.abs(scales).reshape(n, QK_K // SUB)
+    top = scales.max(axis=1, initial=F32(0))
+    d = (top / F32(31)).astype(F32)
+    sc = np.clip(nearest_int(F32(0.5) * (safe_reciprocal(d)[:, None] * scales - F32(1))), 0, 15).astype(np.uint32)
+    empty = np.repeat(scales == 0, SUB, axis=1)  # ggml writes neither points nor signs for an empty block
+    points = np.where(np.repeat(scales == 0, SUB // 4, axis=1), 0, points.reshape(n, -1))
+    return (d * F32(1.0125))[:, None], np.where(top[:, None] > 0, sc, 0), points, negative & ~empty
+
+
+def pack(d: np.ndarray, sc: np.ndarray, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
+    n = points.shape[0]
+    bits = negative.reshape(n, 8, 4, 8)[..., :7].astype(np.uint32) << np.arange(7, dtype=np.uint32)
+    words = (bits.sum(axis=3) << (7 * np.arange(4, dtype=np.uint32))).sum(axis=2, dtype=np.uint32) | (sc << 28)
+    words = np.where((d > 0), words, 0).astype("<u4")
+    return np.concatenate([fp16_bytes(d), points.astype(np.uint8), words.view(np.uint8).reshape(n, 32)], axis=1)
+
+
+def encode(blocks: np.ndarray) -> np.ndarray:
+    return pack(*fit(blocks))
+
+
+def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray | None = None) -> np.ndarray:
+    """``quantize_iq3_xxs`` with an importance matrix (σ² is the super-block's, not the row's)."""
+    return pack(*fit(blocks, qw))
+
+
+def decode(data: np.ndarray) -> np.ndarray:
+    n = data.shape[0]
+    d = fp16_field(data, 0)  # [N, 1]
+    words = np.ascontiguousarray(data[:, 66:98]).view("<u4").astype(np.uint32)  # [N, 8]
+    low7 = (words[..., None] >> (7 * np.arange(4, dtype=np.uint32))) & 127  # [N, 8, 4]
+    parity = np.zeros_like(low7)
+    for i in range(7):
+        parity ^= (low7 >> i) & 1
+    signs = low7 | (parity << 7)
+    negative = ((signs[..., None] >> np.arange(8, dtype=np.uint32)) & 1).astype(bool)  # [N, 8, 4, 8]
+    db = (d * (F32(0.5) + (words >> 28).astype(F32))) * F32(0.5)  # [N, 8]
+    values = grid_values()[data[:, 2:66]].astype(F32).reshape(n, 8, SUB)
+    signed = np.where(negative.reshape(n, 8, SUB), F32(-1), F32(1))
+    return ((db[..., None] * values) * signed).reshape(n, QK_K)
