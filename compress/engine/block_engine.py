@@ -296,8 +296,7 @@ class Engine:
         relative = [name[len(block_name) + 1 :] for name in layers]
         key = (type(block), tuple(relative))
         if key not in self._call_orders:
-            order = self._forward_order(block, {r: layers[f"{block_name}.{r}"] for r in relative}, inputs[0])
-            self._call_orders[key] = order
+            self._call_orders[key] = self._forward_order(block, {r: layers[f"{block_name}.{r}"] for r in relative}, inputs[0])
         order = self._call_orders[key]
         return CallOrder(
             [{f"{block_name}.{r}": layers[f"{block_name}.{r}"] for r in group} for group in order.groups],

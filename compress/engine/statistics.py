@@ -123,14 +123,18 @@ class _SharedInput:
 
     def feed(self, name: str, x: torch.Tensor) -> None:
         if name == self.leader:
-            if self.claimed != self.followers:
-                raise InputsDiverged(f"{sorted(self.followers - self.claimed)} missed an input of {self.leader}")
+            self.check_claimed()
             self.stats.update(x)
             self.last, self.claimed = x, set()
         elif x is self.last and name not in self.claimed:  # identity: the tensor itself, not equal values
             self.claimed.add(name)
         else:
             raise InputsDiverged(f"{name} was fed another input than {self.leader}")
+
+    def check_claimed(self) -> None:
+        """Every follower was fed the leader's latest input."""
+        if self.claimed != self.followers:
+            raise InputsDiverged(f"{sorted(self.followers - self.claimed)} missed an input of {self.leader}")
 
 
 class StatsCollector(AbstractContextManager):
@@ -180,11 +184,11 @@ class StatsCollector(AbstractContextManager):
             h.remove()
         self._handles.clear()
         shared = list(dict.fromkeys(self._shared.values()))
-        missed = [s for s in shared if s.claimed != s.followers]
         for s in shared:
             s.last = None  # release the activation
-        if exc_type is None and missed:
-            raise InputsDiverged(f"{sorted(missed[0].followers - missed[0].claimed)} missed an input of {missed[0].leader}")
+        if exc_type is None:
+            for s in shared:
+                s.check_claimed()
 
     def combine(self, ranks) -> None:
         """Every layer's statistics over all ranks' calibration tokens (`InputStatistics.combine`); a shared
