@@ -59,6 +59,7 @@ class StructuredLayout:
         "layers": "num_hidden_layers", "heads": "num_attention_heads", "kv_heads": "num_key_value_heads",
         "head_dim": "head_dim", "mlp": "intermediate_size", "hidden": "hidden_size", "eps": "rms_norm_eps"})
     per_layer_lists: tuple[str, ...] = ("layer_types",)  # config lists with one entry per block
+    hidden_per_head: bool = False  # the config requires hidden_size % num_attention_heads == 0 (LlamaConfig)
 
 
 @dataclass(frozen=True)
@@ -84,9 +85,10 @@ class Geometry:
 AXES = ("heads", "mlp", "hidden", "layers")
 
 
-def target_geometry(g: Geometry, targets: Mapping[str, float]) -> Geometry:
+def target_geometry(g: Geometry, targets: Mapping[str, float], hidden_per_head: bool = False) -> Geometry:
     """The pruned sizes. A value below 1 is the fraction removed (heads: of the KV groups); a whole
-    number ≥ 1 is the size kept (heads: query heads, a multiple of the heads per KV group)."""
+    number ≥ 1 is the size kept (heads: query heads, a multiple of the heads per KV group). With
+    ``hidden_per_head`` the hidden size kept must be a multiple of the query heads kept."""
     sizes = {"heads": g.kv_heads, "mlp": g.mlp, "hidden": g.hidden, "layers": g.layers}  # heads in KV groups
     for key, value in targets.items():
         if key not in AXES:
@@ -107,8 +109,12 @@ def target_geometry(g: Geometry, targets: Mapping[str, float]) -> Geometry:
         if not 1 <= keep <= n:
             raise ValueError(f"{key}={value} keeps {keep} of {n}: keep between 1 and {n}")
         sizes[key] = keep
-    return replace(g, layers=sizes["layers"], kv_heads=sizes["heads"], heads=sizes["heads"] * g.heads_per_group,
-                   mlp=sizes["mlp"], hidden=sizes["hidden"])
+    heads = sizes["heads"] * g.heads_per_group
+    if hidden_per_head and sizes["hidden"] % heads:
+        fit = sizes["hidden"] // heads * heads
+        raise ValueError(f"hidden={targets['hidden']} keeps {sizes['hidden']} channels, not a multiple of the {heads} "
+                         f"attention heads kept, which this architecture's config requires: keep {fit or heads} instead")
+    return replace(g, layers=sizes["layers"], kv_heads=sizes["heads"], heads=heads, mlp=sizes["mlp"], hidden=sizes["hidden"])
 
 
 def parameter_count(block: Mapping[str, tuple[tuple[int, ...], Dims]], outer: Mapping[str, tuple[tuple[int, ...], Dims]],
@@ -122,15 +128,18 @@ def parameter_count(block: Mapping[str, tuple[tuple[int, ...], Dims]], outer: Ma
 
 
 def solve_width(fixed: Geometry, count: Callable[[Geometry], int], target: int,
-                axes: tuple[str, ...] = ("mlp", "hidden"), align: int = 8) -> Geometry:
+                axes: tuple[str, ...] = ("mlp", "hidden"), align: int = 8, hidden_per_head: bool = False) -> Geometry:
     """Scale the ``axes`` widths of ``fixed`` by one common ratio (each rounded down to a multiple of
-    ``align`` where the original is one) to the most parameters not above ``target``."""
-    def at(ratio: float) -> Geometry:
-        def size(n: int) -> int:
-            step = align if n % align == 0 and n >= 2 * align else 1
-            return max(step, int(ratio * n) // step * step)
+    ``align`` where the original is one; with ``hidden_per_head`` the hidden width also to a multiple of
+    ``fixed.heads``) to the most parameters not above ``target``."""
+    def size(axis: str, n: int, ratio: float) -> int:
+        step = align if n % align == 0 and n >= 2 * align else 1
+        if axis == "hidden" and hidden_per_head:
+            step = math.lcm(step, fixed.heads)
+        return max(step, int(ratio * n) // step * step)
 
-        return replace(fixed, **{a: size(getattr(fixed, a)) for a in axes})
+    def at(ratio: float) -> Geometry:
+        return replace(fixed, **{a: size(a, getattr(fixed, a), ratio) for a in axes})
 
     if count(at(1.0)) <= target:
         return at(1.0)

@@ -317,7 +317,10 @@ _LLAMA_STRUCTURE = StructuredLayout(
 )
 # RMSNorm architectures only: a LayerNorm subtracts the mean over the hidden channels, so removing
 # channels changes every kept one (GPT-2 and OPT are absent on purpose).
-STRUCTURED_LAYOUTS: dict[str, StructuredLayout] = {t: _LLAMA_STRUCTURE for t in ("llama", "mistral", "qwen2", "qwen3")}
+STRUCTURED_LAYOUTS: dict[str, StructuredLayout] = {
+    **{t: _LLAMA_STRUCTURE for t in ("mistral", "qwen2", "qwen3")},
+    "llama": replace(_LLAMA_STRUCTURE, hidden_per_head=True),  # LlamaConfig validates hidden_size % num_attention_heads
+}
 
 
 def structured_layout(model_type: str) -> StructuredLayout:

@@ -109,11 +109,12 @@ class StructuredPrune(CheckpointMethod):
         block_shapes, outer_shapes = _shapes(handle)
         count = lambda g: parameter_count(block_shapes, outer_shapes, before, g)  # noqa: E731
         try:
-            after = target_geometry(before, cfg.targets())
+            after = target_geometry(before, cfg.targets(), layout.hidden_per_head)
             if cfg.target_params is not None:
                 if cfg.target_params >= count(before):
                     raise ValueError(f"target_params {cfg.target_params:,} is not below the model's {count(before):,} parameters")
-                after = solve_width(after, count, cfg.target_params, tuple(a for a in ("mlp", "hidden") if getattr(cfg, a) is None))
+                after = solve_width(after, count, cfg.target_params, tuple(a for a in ("mlp", "hidden") if getattr(cfg, a) is None),
+                                    hidden_per_head=layout.hidden_per_head)
         except ValueError as exc:
             raise CompressError(f"structured pruning: {exc}") from None
         scores = collect_scores(handle, layout, before, calibration, device, batch_size, progress)

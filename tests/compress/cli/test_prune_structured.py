@@ -73,6 +73,7 @@ def test_pruning_zeroed_structures_keeps_the_logits(tmp_path, tiny_tokenizer):
     (["--structured", "mlp=1.5"], "neither a fraction"),
     (["--structured", "heads=3"], "not a multiple of the 2 query heads per KV group"),
     (["--structured", "heads=0.2"], "removes none of 2 KV groups"),
+    (["--structured", "hidden=30"], "not a multiple of the 4 attention heads kept"),
     (["--structured", "layers=3"], "keeps 3 of 2"),
     (["--structured", "mlp=0.5", "--sparsity", "0.5"], "--sparsity is for unstructured"),
     (["--target-params", "1G"], "is not below the model's"),
@@ -94,6 +95,19 @@ def test_missing_calibration_and_unknown_architecture(tmp_path, tiny_llama, tiny
     result = invoke("prune", gpt2, "-o", tmp_path / "o", "--structured", "mlp=0.5", *CALIB)
     assert result.exit_code == 2 and "no layout for model_type 'gpt2'" in result.output
     assert not (tmp_path / "o").exists()
+
+
+def test_target_params_keeps_a_hidden_size_llama_config_accepts(tmp_path, tiny_tokenizer):
+    """SmolLM2-like: 6 query heads (3 per KV group), head_dim 8: LlamaConfig refuses a hidden size that is
+    not a multiple of the heads, so the width search rounds to multiples of lcm(8, 6) = 24."""
+    config = tiny_llama_config(len(tiny_tokenizer), hidden_size=96, head_dim=8, num_attention_heads=6, num_key_value_heads=2)
+    model = save_random_model(config, tmp_path / "m", tiny_tokenizer, seed=3)
+    before = sum(p.numel() for p in AutoModelForCausalLM.from_pretrained(model).parameters())
+    result = invoke("prune", model, "-o", tmp_path / "o", "--target-params", str(before // 2), *CALIB)
+    assert result.exit_code == 0, result.output
+    pruned = AutoModelForCausalLM.from_pretrained(tmp_path / "o")  # validates hidden_size % num_attention_heads
+    assert pruned.config.hidden_size < 96 and pruned.config.head_dim == 8
+    assert sum(p.numel() for p in pruned.parameters()) <= before // 2
 
 
 def test_recipe_target_params_then_distillation_repair(tmp_path, tiny_llama):
