@@ -50,6 +50,8 @@ DEFAULTS = {
     "smoothquant alpha=0.5 (default)": [{"method": "smoothquant"}],
     "smoothquant alpha=0.3": [{"method": "smoothquant", "alpha": 0.3}],
     "smoothquant alpha=0.7": [{"method": "smoothquant", "alpha": 0.7}],
+    "smoothquant alpha=0.8": [{"method": "smoothquant", "alpha": 0.8}],
+    **{f"smoothquant tensor alpha={a}": [{"method": "smoothquant", "activations": "tensor", "alpha": a}] for a in (0.5, 0.7, 0.8)},
 }
 GROUPS = {"quant": QUANT, "smoothquant": SMOOTHQUANT, "pruning": PRUNING, "defaults": DEFAULTS}
 ROWS = {label: stages for group in GROUPS.values() for label, stages in group.items()}
@@ -119,7 +121,7 @@ def main() -> None:
                                 "ref_perplexity": report.baseline.perplexity, "kld": row.kld,
                                 "sparsity": row.sparsity, "seconds": round(seconds, 1), "peak_rss_gb": round(rss, 3)})
                 sparsity = f"{row.sparsity:.3f}" if row.sparsity else "-"
-                print(f"{label:<34}{seed:>5}{row.perplexity:>10.3f}{report.baseline.perplexity:>9.3f}{row.kld:>10.5f}"
+                print(f"{label:<34}{seed:>5}{row.perplexity:>10.4g}{report.baseline.perplexity:>9.4g}{row.kld:>10.5f}"
                       f"{sparsity:>9}{seconds:>8.1f}{rss:>8.2f}", flush=True)
                 shutil.rmtree(out)
     if len(seeds) > 1:
