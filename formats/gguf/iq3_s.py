@@ -33,7 +33,7 @@ KIND = GGMLType.IQ3_S
 SUB = 32  # weights per block scale
 GROUP = 4  # weights per grid point
 N_WANT = 3  # neighbour lists hold the grid points at the 3 smallest distances
-_BUCKETS = (4, 8, 12, 16, 24, 64)  # off-grid groups are searched in batches of similar neighbour counts
+_BUCKETS = (4, 8, 12, 16, 24, 64, 128)  # off-grid groups are searched in batches of similar neighbour counts
 
 # ggml's kgrid_512 (ggml/src/ggml-quants.c, iq3xs_init_impl): point k has level (kgrid[k] >> 3i) & 7 in
 # coordinate i, i.e. the value 2·level + 1; ggml-common.h's iq3s_grid and gguf-py's IQ3_S.grid_hex hold
@@ -76,73 +76,91 @@ _KGRID_512 = (
 
 @dataclass(frozen=True)
 class Tables:
-    grid: np.ndarray  # [512, 4] uint8: each point's levels 0..7 (values 2·level + 1)
-    index: np.ndarray  # [4096] int32: the point of each level 4-tuple (code Σ level_i·8^i), −1 off the grid
-    neighbours: np.ndarray  # [4096, n] int32: for an off-grid code, its nearest points by (distance, index), −1 padded
-    count: np.ndarray  # [4096]: how many neighbours each code has
-    values: np.ndarray  # [4096, n, 4] float32: the neighbours' coordinate values 2·level + 1
+    """A lattice codebook: points of ``group`` coordinates, each a level 0..``max_level`` stored in ``bits``
+    bits (the value 2·level + 1); a group of levels is a code Σ level_i·2^(bits·i)."""
+
+    grid: np.ndarray  # [P, group] uint8: each point's levels
+    index: np.ndarray  # [2^(bits·group)] int32: the point of each code, −1 off the grid
+    row: np.ndarray  # [2^(bits·group)] int32: an off-grid code's row of ``neighbours``, −1 for the others
+    neighbours: np.ndarray  # [R, n] int32: an off-grid code's nearest points by (distance, index), −1 padded
+    count: np.ndarray  # [R]: how many neighbours each row has
+    bits: int = 3
+    max_level: int = 7
+
+    @property
+    def group(self) -> int:
+        return self.grid.shape[1]
 
 
 @cache
-def tables(kgrid: tuple[int, ...] = _KGRID_512, n_want: int = N_WANT) -> Tables:
-    """ggml's ``iq3xs_init_impl``: the grid (``kgrid``: each point's levels as Σ level_i·8^i; IQ3_S's 512 by
-    default), the code -> point map, and each off-grid code's neighbours at the ``n_want`` smallest distances."""
-    kgrid = np.array(kgrid, dtype=np.int32)
-    grid = ((kgrid[:, None] >> (3 * np.arange(GROUP))) & 7).astype(np.uint8)
-    index = np.full(8**GROUP, -1, dtype=np.int32)
+def tables(kgrid: tuple[int, ...] = _KGRID_512, n_want: int = N_WANT, group: int = GROUP, bits: int = 3,
+           max_level: int = 7) -> Tables:
+    """ggml's ``iq3xs_init_impl`` / ``iq2xs_init_impl``: the grid (``kgrid``: each point's levels as a code; IQ3_S's
+    512 by default), the code -> point map, and the neighbours at the ``n_want`` smallest distances of each
+    off-grid code whose levels are all ≤ ``max_level`` (the only ones the encoder forms)."""
+    kgrid = np.array(kgrid, dtype=np.int64)
+    shifts = bits * np.arange(group)
+    grid = ((kgrid[:, None] >> shifts) & ((1 << bits) - 1)).astype(np.uint8)
+    size = 1 << (bits * group)
+    index = np.full(size, -1, dtype=np.int32)
     index[kgrid] = np.arange(len(kgrid), dtype=np.int32)
-    codes = np.arange(8**GROUP)
-    points = 2 * ((codes[:, None] >> (3 * np.arange(GROUP))) & 7) + 1
-    dist2 = (((2 * grid.astype(np.int32) + 1)[None] - points[:, None]) ** 2).sum(axis=-1)  # [4096, 512]
+    codes = np.arange(size)
+    levels = (codes[:, None] >> shifts) & ((1 << bits) - 1)
+    off = np.flatnonzero((index < 0) & (levels <= max_level).all(axis=1))
+    dist2 = np.zeros((len(off), len(kgrid)), dtype=np.int32)
+    for i in range(group):  # one coordinate at a time: [codes, P] temporaries only
+        dist2 += ((2 * grid[:, i].astype(np.int32) + 1)[None] - (2 * levels[off, i] + 1)[:, None]) ** 2
     order = np.argsort(dist2, axis=1, kind="stable")  # ties by point index, as ggml's comparator
     lists = []
-    for code in np.flatnonzero(index < 0):
-        d = dist2[code, order[code]]
+    for row in range(len(off)):
+        d = dist2[row, order[row]]
         cutoff = np.unique(d)[n_want - 1]
-        lists.append(order[code][d <= cutoff])
-    neighbours = np.full((8**GROUP, max(len(x) for x in lists)), -1, dtype=np.int32)
-    for code, found in zip(np.flatnonzero(index < 0), lists):
-        neighbours[code, : len(found)] = found
-    values = (2 * grid[np.maximum(neighbours, 0)].astype(np.int32) + 1).astype(F32)
-    return Tables(grid, index, neighbours, (neighbours >= 0).sum(axis=1), values)
+        lists.append(order[row][d <= cutoff])
+    neighbours = np.full((len(off), max(len(x) for x in lists)), -1, dtype=np.int32)
+    for r, found in enumerate(lists):
+        neighbours[r, : len(found)] = found
+    row = np.full(size, -1, dtype=np.int32)
+    row[off] = np.arange(len(off), dtype=np.int32)
+    return Tables(grid, index, row, neighbours, (neighbours >= 0).sum(axis=1), bits, max_level)
 
 
-def _levels(inverse: np.ndarray, xval: np.ndarray) -> np.ndarray:
-    """``clamp(nearest_int((inverse·|x| − 1)/2), 0, 7)`` ``[M, 32]`` for per-block inverse scales ``[M]``."""
-    return np.clip(nearest_int(F32(0.5) * (inverse[:, None] * xval - F32(1))), 0, 7)
+def _levels(t: Tables, inverse: np.ndarray, xval: np.ndarray) -> np.ndarray:
+    """``clamp(nearest_int((inverse·|x| − 1)/2), 0, max_level)`` ``[M, S]`` for per-block inverse scales ``[M]``."""
+    return np.clip(nearest_int(F32(0.5) * (inverse[:, None] * xval - F32(1))), 0, t.max_level)
 
 
-def _codes(levels: np.ndarray) -> np.ndarray:
-    """Level 4-tuples -> codes: ``[M, 32]`` -> ``[M, 8]``."""
-    return (levels.reshape(levels.shape[0], -1, GROUP) << (3 * np.arange(GROUP))).sum(axis=-1)
+def _codes(t: Tables, levels: np.ndarray) -> np.ndarray:
+    """Level groups -> codes: ``[M, S]`` -> ``[M, S / group]``."""
+    return (levels.reshape(levels.shape[0], -1, t.group) << (t.bits * np.arange(t.group))).sum(axis=-1)
 
 
 def _snap(t: Tables, levels: np.ndarray, xval: np.ndarray, waux: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Grid points ``[M, 8]`` for rounded ``levels``: the point itself, or for an off-grid group the neighbour
-    nearest ``|x|`` at ``scale`` (``iq3_find_best_neighbour``, weighted by ``waux``); and which were on it."""
-    codes = _codes(levels)
+    """Grid points ``[M, S / group]`` for rounded ``levels``: the point itself, or for an off-grid group the
+    neighbour nearest ``|x|`` at ``scale`` (``iq3_find_best_neighbour``, weighted by ``waux``); and which were on it."""
+    codes = _codes(t, levels)
     point = t.index[codes]
     off = point < 0
     m, g = np.nonzero(off)
-    count = t.count[codes[m, g]]
+    rows = t.row[codes[m, g]]
+    count = t.count[rows]
     lower = 0
-    for upper in _BUCKETS:  # groups with lower < count ≤ upper at once: dense [G_b, upper] distances
+    for upper in (*_BUCKETS, t.neighbours.shape[1]):  # groups with lower < count ≤ upper at once: dense [G_b, upper] distances
         pick = np.flatnonzero((count > lower) & (count <= upper))
-        lower = upper
+        lower = max(lower, upper)
         if not len(pick):
             continue
         mk, gk = m[pick], g[pick]
-        ck = codes[mk, gk]
-        values = t.values[ck, :upper]  # [G_b, upper, 4]
-        xv = xval.reshape(xval.shape[0], -1, GROUP)[mk, gk]
-        wa = waux.reshape(waux.shape[0], -1, GROUP)[mk, gk]
+        found = t.neighbours[rows[pick], :upper]  # [G_b, upper]
+        values = (2 * t.grid[np.maximum(found, 0)].astype(np.int32) + 1).astype(F32)  # [G_b, upper, group]
+        xv = xval.reshape(xval.shape[0], -1, t.group)[mk, gk]
+        wa = waux.reshape(waux.shape[0], -1, t.group)[mk, gk]
         s = scale[mk][:, None]
         d2 = np.zeros(values.shape[:2], dtype=F32)
-        for i in range(GROUP):
+        for i in range(t.group):
             diff = s * values[..., i] - xv[:, None, i]
             d2 += wa[:, None, i] * diff * diff
-        d2[t.neighbours[ck, :upper] < 0] = np.inf  # padding
-        point[mk, gk] = t.neighbours[ck, np.argmin(d2, axis=1)]  # the first of equal distances, as ggml
+        d2[found < 0] = np.inf  # padding
+        point[mk, gk] = found[np.arange(len(pick)), np.argmin(d2, axis=1)]  # the first of equal distances, as ggml
     return point, ~off
 
 
@@ -152,24 +170,25 @@ def _sums(levels: np.ndarray, xval: np.ndarray, w: np.ndarray) -> tuple[np.ndarr
 
 
 def block_fit(xval: np.ndarray, w: np.ndarray, t: Tables | None = None, steps: int = 9, tiny: float = 0.0,
-              resnap_all: bool = True) -> tuple[np.ndarray, np.ndarray]:
-    """Per block of 32 (rows of ``xval``, ``w`` ``[M, 32]``; ``xval`` the magnitudes to fit, |x| for IQ3_S):
-    (scale ``[M]``, grid points ``[M, 8]``) as ggml picks them on grid ``t`` (IQ3_S's by default) from the trial
-    inverse scales ``(15 + 0.2·s)/max`` for s in −steps..steps; a block whose largest value is ≤ ``tiny`` is
-    empty (scale 0, levels 0). When a group was off the grid, the groups are snapped again at the fitted scale:
-    every group for IQ3_S, only the off-grid ones with ``resnap_all=False`` (IQ3_XXS)."""
+              resnap_all: bool = True, base: float = 15, increment: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
+    """Per block (rows of ``xval``, ``w`` ``[M, S]``; ``xval`` the magnitudes to fit, |x| for IQ3_S):
+    (scale ``[M]``, grid points ``[M, S / group]``) as ggml picks them on grid ``t`` (IQ3_S's by default) from
+    the trial inverse scales ``(base + increment·s)/max`` for s in −steps..steps; a block whose largest value
+    is below ``tiny`` (or 0) is empty (scale 0, levels 0). When a group was off the grid, the groups are
+    snapped again at the fitted scale: every group for IQ3_S, only the off-grid ones with
+    ``resnap_all=False`` (IQ3_XXS, IQ2_XS)."""
     t = t or tables()
     waux = np.sqrt(w).astype(F32)
     top = xval.max(axis=1)
-    empty = top <= F32(tiny)
+    empty = (top < F32(tiny)) | (top <= 0)
     top = np.where(empty, F32(1), top)
-    scale, best = (top / F32(15)).astype(F32), np.zeros_like(top)
+    scale, best = (top / F32(base)).astype(F32), np.zeros_like(top)
     levels = np.zeros(xval.shape, dtype=np.int32)
-    on_grid = np.zeros((xval.shape[0], SUB // GROUP), dtype=bool)
+    on_grid = np.zeros((xval.shape[0], xval.shape[1] // t.group), dtype=bool)
     with np.errstate(divide="ignore", invalid="ignore"):
         for step in range(-steps, steps + 1):
-            inverse = (F32(15) + F32(step) * F32(0.2)) / top
-            point, on = _snap(t, _levels(inverse, xval), xval, waux, F32(1) / inverse)
+            inverse = (F32(base) + F32(step) * F32(increment)) / top
+            point, on = _snap(t, _levels(t, inverse, xval), xval, waux, F32(1) / inverse)
             trial = t.grid[point].reshape(xval.shape[0], -1).astype(np.int32)
             sumqx, sumq2 = _sums(trial, xval, w)
             better = (sumq2 > 0) & (sumqx * sumqx > best * sumq2)
@@ -180,13 +199,13 @@ def block_fit(xval: np.ndarray, w: np.ndarray, t: Tables | None = None, steps: i
         redo = ~on_grid.all(axis=1) & (scale > 0) & ~empty
         if redo.any():
             r = np.flatnonzero(redo)
-            point, _ = _snap(t, _levels(F32(1) / scale[r], xval[r]), xval[r], waux[r], scale[r])
+            point, _ = _snap(t, _levels(t, F32(1) / scale[r], xval[r]), xval[r], waux[r], scale[r])
             snapped = t.grid[point].reshape(len(r), -1)
-            keep = on_grid[r].repeat(GROUP, axis=1) & (not resnap_all)
+            keep = on_grid[r].repeat(t.group, axis=1) & (not resnap_all)
             levels[r] = np.where(keep, levels[r], snapped)
             sumqx, sumq2 = _sums(levels[r], xval[r], w[r])
             scale[r] = np.where(sumq2 > 0, sumqx / sumq2, scale[r])
-    return np.where(empty, F32(0), scale).astype(F32), t.index[_codes(levels)]
+    return np.where(empty, F32(0), scale).astype(F32), t.index[_codes(t, levels)]
 
 
 @dataclass(frozen=True)

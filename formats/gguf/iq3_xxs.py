@@ -45,7 +45,7 @@ def grid_tables() -> Tables:
     return tables(tuple(int(c) for c in (levels << (3 * np.arange(4))).sum(axis=1)), 2)
 
 
-def _parity_signs(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def parity_signs(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(negative ``[N, 256]`` with even parity per 8, the magnitudes to fit ``[N, 256]``)."""
     negative = ~(x >= 0)
     groups = negative.reshape(-1, 8)
@@ -63,7 +63,7 @@ def fit(blocks: np.ndarray, qw: np.ndarray | None = None) -> tuple[np.ndarray, n
     n = blocks.shape[0]
     x = blocks.astype(F32, copy=False)
     w = error_weights(x, qw)
-    negative, xval = _parity_signs(x, w)
+    negative, xval = parity_signs(x, w)
     scales, points = block_fit(xval.reshape(-1, SUB), w.reshape(-1, SUB), grid_tables(), steps=15, tiny=TINY,
                                resnap_all=False)
     flipped = (scales < 0).reshape(n, -1)  # never seen; ggml guards it by flipping the block's signs

@@ -46,7 +46,8 @@ def test_size_table_matches_gguf_py():
 @pytest.mark.parametrize("kind", ALL, ids=lambda k: k.name)
 def test_decode_is_bit_exact_with_gguf_py_on_our_encoding(kind):
     w = weights()
-    data = encode_tensor(w, kind)
+    needs = getattr(CODECS[kind], "NEEDS_IMPORTANCE", False)
+    data = encode_tensor(w, kind, np.random.default_rng(2).gamma(0.5, 2.0, w.shape[1]) if needs else None)
     ours = decode_tensor(data, kind, w.shape[1])
     ref = dequantize(data.copy(), gguf.GGMLQuantizationType(int(kind))).reshape(ours.shape)
     assert same_bits(ours, ref)
@@ -164,9 +165,26 @@ def test_iq3_s_grid_is_gguf_py_table_and_neighbours_are_nearest():
         value = 2 * ((code >> (3 * np.arange(4))) & 7) + 1
         d2 = ((points - value) ** 2).sum(axis=1)
         nearest = np.flatnonzero(d2 <= np.unique(d2)[2])
-        found = t.neighbours[code, : t.count[code]]
+        found = t.neighbours[t.row[code], : t.count[t.row[code]]]
         assert sorted(found) == sorted(nearest) and (np.diff(d2[found]) >= 0).all()
     assert sorted(t.index[t.index >= 0]) == list(range(512))
+
+
+def test_iq2_xs_neighbours_are_nearest_and_it_needs_an_importance_matrix():
+    """IQ2_XS's 512 points (gguf-py's grid, levels 8/25/43 -> 0/1/2): an off-grid 8-tuple of levels 0..2 lists
+    exactly the points at its 2 smallest squared distances (brute force); without importance, a one-line error."""
+    from compress.formats.gguf import iq2_xs
+
+    t = iq2_xs.grid_tables()
+    points = 2 * t.grid.astype(np.int64) + 1
+    codes = [c for c in np.flatnonzero(t.index < 0) if ((c >> (2 * np.arange(8))) & 3).max() <= 2]
+    assert len(codes) == 3**8 - 512
+    for code in codes[::131]:
+        value = 2 * ((code >> (2 * np.arange(8))) & 3) + 1
+        d2 = ((points - value) ** 2).sum(axis=1)
+        found = t.neighbours[t.row[code], : t.count[t.row[code]]]
+        assert sorted(found) == list(np.flatnonzero(d2 <= np.unique(d2)[1])) and (np.diff(d2[found]) >= 0).all()
+    assert "IQ2_XS needs an importance matrix" in one_line_error(encode_tensor, weights(), GGMLType.IQ2_XS)
 
 
 def test_iq3_s_unpack_inverts_pack():

@@ -201,6 +201,27 @@ def test_iq3_xxs_needs_an_imatrix_and_llama_cpp_agrees(reference_imatrix, eval_i
     assert abs(theirs / ours - 1) < 0.005, (theirs, ours)
 
 
+def test_iq2_xs_file_type_needs_an_imatrix_follows_llama_cpps_rules_and_llama_cpp_agrees(reference_imatrix, eval_ids, tmp_path):
+    """llama.cpp's IQ2_XS file type: refused without an importance matrix; with one, the types of
+    ``llama_tensor_get_type_impl``'s IQ2 branch (reference model: 2 query heads per KV head, 4 blocks, untied),
+    and llama.cpp's perplexity of the file within 0.5% of our evaluator's on transformers' dequantization."""
+    from gguf import GGUFReader
+    from references import one_line_error
+
+    plain = tmp_path / "plain.gguf"
+    assert "needs an importance matrix" in one_line_error(export_gguf, ExportConfig(REFERENCE_MODEL, plain, Target.iq2_xs))
+    assert not plain.exists()
+    path = tmp_path / "iq2_xs.gguf"
+    export_gguf(ExportConfig(REFERENCE_MODEL, path, Target.iq2_xs, imatrix=reference_imatrix))
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    assert types["token_embd.weight"] == "Q2_K" and types["output.weight"] == "Q5_K"
+    assert types["blk.0.attn_v.weight"] == types["blk.3.attn_v.weight"] == "Q2_K"  # n_gqa < 4
+    assert types["blk.0.ffn_down.weight"] == types["blk.0.attn_q.weight"] == "IQ2_XS"  # n/8 = 0 blocks of ffn_down in Q2_K
+    ours = evaluate(transformers_model(path), torch.tensor(eval_ids), ctx=512).perplexity
+    theirs = llamacpp_perplexity(path, eval_ids, ctx=512)
+    assert abs(theirs / ours - 1) < 0.005, (theirs, ours)
+
+
 @pytest.mark.parametrize("target", [Target.q2_k, Target.q3_k], ids=lambda t: t.value)
 def test_imatrix_export_lowers_llama_cpps_perplexity(exported, reference_imatrix, tmp_path_factory, target):
     """An imatrix from the calibration slice (``compress imatrix``, 32 windows of 512) steers the
