@@ -7,8 +7,9 @@ Objective: as `compress.quantizers.gptq`, ``min ‖WX − QX‖² = (n/2)·tr((W
 ``H = 2/n·XXᵀ``, but ``Q`` must be what a GGUF type stores: per block of B consecutive columns of a row
 (B = 32 for Q4_0/Q5_0/Q8_0/IQ4_NL..., 256 for the k-quants and IQ4_XS) one grid, for the k-quants a
 super-block's float16 ``d``/``dmin`` with 6-bit (or 4-bit) sub-block scales and mins, and integer codes;
-for IQ4_NL/IQ4_XS the codes index a non-uniform codebook (``grids.BlockGrid.levels``); IQ3_S codes a group
-of 4 weights by one point of a 512-point grid, with free signs (``grids.LatticeGrid``).
+for IQ4_NL/IQ4_XS the codes index a non-uniform codebook (``grids.BlockGrid.levels``); the lattice types code a
+group of weights by one codebook point (``grids.LatticeGrid``): IQ3_S 4 weights of a 512-point grid with free
+signs, IQ3_XXS 4 of 256 and IQ2_XS 8 of 512 with the signs of each 8 of even parity.
 
 Procedure: columns are quantized in order with GPTQ's Cholesky error feedback and lazy batches (the
 batch is a whole number of blocks). When a block's first column is reached, its grid is fitted by the
@@ -34,7 +35,7 @@ import numpy as np
 import torch
 
 from compress.formats.gguf import grids
-from compress.formats.gguf.codecs import decode_tensor, encode_tensor
+from compress.formats.gguf.codecs import decode_tensor, encode_tensor, needs_importance
 from compress.formats.gguf.sizes import GGMLType
 from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, layer_errors, solver_inputs
 from compress.quantizers.threads import one_thread
@@ -90,27 +91,45 @@ def _round_block(W1t: torch.Tensor, Err1t: torch.Tensor, U1: torch.Tensor, b: in
     return codes.T.numpy()
 
 
+def _parity_signs(w: np.ndarray, omega: np.ndarray) -> np.ndarray:
+    """Negative ``[rows, n]`` for weights ``w`` with an even number per row: where odd, the weight of least
+    ``ω·w²`` (the first such, as ggml's ``weight·x²``) takes the other sign; it then fits a negated magnitude."""
+    negative = w < 0
+    odd = np.flatnonzero(negative.sum(axis=1) % 2 == 1)
+    least = np.argmin(omega * np.square(w[odd]), axis=1)
+    negative[odd, least] = ~negative[odd, least]
+    return negative
+
+
 def _round_lattice_block(W1t: torch.Tensor, Err1t: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.LatticeGrid):
     """`_round_block` for a lattice type: each group of ``grid.group`` columns is rounded jointly (every
-    row's signs are its weights', its point the codebook entry nearest ``|w|/step`` with each column's
-    distance weighted by ``1/U_ii²``, GPTQ's weight of a column's error), then the group's columns feed their
-    errors forward one by one. Returns (points ``[rows, B/group]``, negative ``[rows, B]``)."""
+    row's signs are its weights', its point the codebook entry nearest the signed ``w/step`` with each column's
+    distance weighted by ``ω = 1/U_ii²``, GPTQ's weight of a column's error), then the group's columns feed their
+    errors forward one by one. With parity-coupled signs the signs of each parity group are fixed when its first
+    column is reached (`_parity_signs`, from the columns as they are then). Returns (points ``[rows, B/group]``,
+    negative ``[rows, B]``)."""
     Wt, Et, U = W1t.numpy(), Err1t.numpy(), U1.numpy()  # the batch transposed, as in `_round_block`
     step, points = grid.step, grid.points
     rows, B = step.shape
     g = grid.group
+    omega_all = np.float32(1) / np.square(np.diagonal(U)[b : b + B])
     chosen = np.empty((rows, B // g), dtype=np.int64)
     negative = np.empty((rows, B), dtype=bool)
     for k in range(B // g):
-        cols = slice(b + k * g, b + (k + 1) * g)
-        w, s = Wt[cols].T, step[:, k * g : (k + 1) * g]
-        magnitude = np.where(s > 0, np.abs(w) / np.where(s > 0, s, np.float32(1)), np.float32(0))
-        omega = np.float32(1) / np.square(np.diagonal(U)[cols])
+        lo = k * g
+        cols = slice(b + lo, b + lo + g)
+        w, s, omega = Wt[cols].T, step[:, lo : lo + g], omega_all[lo : lo + g]
+        if not grid.parity:
+            negative[:, lo : lo + g] = w < 0
+        elif lo % grid.parity == 0:
+            span = slice(lo, lo + grid.parity)
+            negative[:, span] = _parity_signs(Wt[b + lo : b + lo + grid.parity].T, omega_all[span])
+        sign = np.where(negative[:, lo : lo + g], np.float32(-1), np.float32(1))
+        magnitude = np.where(s > 0, w * sign / np.where(s > 0, s, np.float32(1)), np.float32(0))
         # Σ ω (m − p)² up to the rows' constant Σ ω m²: [rows, P]
         dist = (omega * np.square(points)).sum(axis=1)[None, :] - 2 * (magnitude * omega) @ points.T
         chosen[:, k] = dist.argmin(axis=1)
-        negative[:, k * g : (k + 1) * g] = w < 0
-        q = (s * points[chosen[:, k]]) * np.where(w < 0, np.float32(-1), np.float32(1))
+        q = (s * points[chosen[:, k]]) * sign
         for c in range(g):
             i = cols.start + c
             err = (Wt[i] - q[:, c]) / U[i, i]
@@ -161,7 +180,8 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
     data = np.concatenate(blocks, axis=1)
     Q = torch.from_numpy(decode_tensor(data, kind, cols))
     W0, H0 = weight.detach().cpu().float(), hessian.detach().cpu().float()
-    rtn = torch.from_numpy(decode_tensor(encode_tensor(W0.numpy(), kind), kind, cols))
+    uniform = np.ones(cols, dtype=np.float32) if needs_importance(kind) else None  # no plain fit: a uniform importance
+    rtn = torch.from_numpy(decode_tensor(encode_tensor(W0.numpy(), kind, uniform), kind, cols))
     (error, rel_error), (_, rtn_rel_error) = layer_errors(W0, [Q, rtn], H0)
     stats = {
         "error": error, "rel_error": rel_error, "rtn_rel_error": rtn_rel_error,

@@ -38,6 +38,11 @@ def _usable_cpus() -> int:
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
 
+def needs_importance(kind: GGMLType) -> bool:
+    """True for the types ggml encodes only with an importance matrix (IQ2_XS)."""
+    return getattr(CODECS.get(kind), "NEEDS_IMPORTANCE", False)
+
+
 def _functions(kind: GGMLType):
     if kind == GGMLType.F32:
         return f16.encode_f32, f16.decode_f32
@@ -68,7 +73,7 @@ def encode_tensor(weight: np.ndarray, kind: GGMLType, importance: np.ndarray | N
     encode, _ = _functions(kind)
     block, size = BLOCK_SIZES[kind]
     blocks = w2.reshape(-1, block)
-    if importance is None and getattr(CODECS.get(kind), "NEEDS_IMPORTANCE", False):
+    if importance is None and needs_importance(kind):
         raise CompressError(f"{kind.name} needs an importance matrix (ggml has no fit without one): pass an imatrix (--imatrix or --calib)")
     weighted = importance is not None and hasattr(CODECS.get(kind), "encode_weighted")
     if weighted:

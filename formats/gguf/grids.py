@@ -11,9 +11,10 @@ stores; ``step``/``offset`` are read off the decoder (affine: at codes 0 and 1; 
 whose level is 1), so no type's algebra is repeated here. `pack` writes those grids with codes chosen
 elsewhere (GPTQ's error-feedback rounding, `compress.quantizers.gguf_gptq`).
 
-The lattice types (IQ3_S) code a group of ``GROUP`` weights at once: `LatticeGrid` holds each weight's
-step and the codec's ``codebook()`` of points (magnitudes, ``[P, GROUP]``); each weight has a free sign, so
-a group decodes to ``step·point·(±1)``. `fit` returns one for them and `pack_lattice` writes chosen points.
+The lattice types (IQ3_S, IQ3_XXS, IQ2_XS) code a group of weights at once: `LatticeGrid` holds each
+weight's step and the codec's ``codebook()`` of points (magnitudes, ``[P, group]``); a group decodes to
+``step·point·(±1)``, each weight's sign free (IQ3_S) or, in groups of ``parity``, with an even number of
+negatives (IQ3_XXS, IQ2_XS). `fit` returns one for them and `pack_lattice` writes chosen points.
 
 Shapes: blocks ``[N, B]`` float32; ``step``/``offset`` ``[N, B]``; codes ``[N, B]`` integers.
 """
@@ -69,6 +70,7 @@ class LatticeGrid:
     grid: Any  # the codec's own grid object
     step: np.ndarray  # [N, B]: each weight's scale (0: the block decodes to 0 whatever the point)
     points: np.ndarray  # [P, group] float32: the codebook's magnitudes
+    parity: int = 0  # signs in groups of this many with an even number of negatives (IQ3_XXS, IQ2_XS); 0: free
 
     @property
     def group(self) -> int:
@@ -93,7 +95,8 @@ def fit(
     blocks = np.ascontiguousarray(blocks, dtype=np.float32)
     if is_lattice(kind):
         grid = codec.fit_grid(blocks, None if importance is None else np.ascontiguousarray(importance, dtype=np.float32))
-        return LatticeGrid(kind, grid, np.repeat(grid.scale(), blocks.shape[1] // grid.scale().shape[1], axis=1), codec.codebook())
+        step = np.repeat(grid.scale(), blocks.shape[1] // grid.scale().shape[1], axis=1)
+        return LatticeGrid(kind, grid, step, codec.codebook(), getattr(codec, "SIGN_PARITY", 0))
     weighted = importance is not None and hasattr(codec, "encode_weighted")
     if weighted:
         if row_sigma2 is None:

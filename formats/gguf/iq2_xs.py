@@ -12,16 +12,17 @@ search (`iq3_s.block_fit`) on this grid: levels 0..2 (values 1, 3, 5), 19 trial 
 ``(5 + 0.1·t)/max`` (t in −9..9), neighbour lists of the 2 smallest distances, only the off-grid groups
 re-snapped at the fitted scale; a block whose largest value is below 1e-15 is empty (all-zero entries).
 ``d = max/31`` (no stretch), block scales ``round((s/d − 1)/2)``; a super-block whose scales are all 0 is
-all zero bytes. Shapes: ``[N, 256]`` <-> ``[N, 74]`` uint8. No GPTQ grid (parity-coupled signs).
+all zero bytes. Shapes: ``[N, 256]`` <-> ``[N, 74]`` uint8. GPTQ writes its own points and signs on `fit_grid`'s grid.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 
-from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, importance_weights, mean_square, nearest_int, safe_reciprocal
+from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, fp16_round, importance_weights, mean_square, nearest_int, safe_reciprocal
 from compress.formats.gguf.iq3_s import Tables, block_fit, tables
 from compress.formats.gguf.iq3_xxs import parity_signs
 from compress.formats.gguf.sizes import QK_K, GGMLType
@@ -29,6 +30,7 @@ from compress.formats.gguf.sizes import QK_K, GGMLType
 KIND = GGMLType.IQ2_XS
 NEEDS_IMPORTANCE = True  # ggml asserts on a missing importance matrix (``quantize_row_iq2_xs_impl``)
 SUB = 16  # weights per block scale
+SIGN_PARITY = 8  # signs come in groups of 8 with an even number of negatives
 TINY = 1e-15  # ggml's GROUP_MAX_EPS
 _LEVEL = {8: 0, 25: 1, 43: 2}
 
@@ -48,8 +50,20 @@ def grid_tables() -> Tables:
     return tables(tuple(int(c) for c in (levels << (2 * np.arange(8))).sum(axis=1)), 2, group=8, bits=2, max_level=2)
 
 
-def fit(blocks: np.ndarray, qw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(d ``[N, 1]`` before the float16 store, 4-bit scales ``[N, 16]``, points ``[N, 32]``, negative ``[N, 256]``)."""
+@dataclass(frozen=True)
+class XSGrid:
+    """``d`` ``[N, 1]`` before the float16 store and the 4-bit block scales ``sc`` ``[N, 16]``."""
+
+    d: np.ndarray
+    sc: np.ndarray
+
+    def scale(self) -> np.ndarray:
+        """Per block ``d·(0.5 + sc)·0.25`` ``[N, 16]``, as the decoder computes it (with the stored d)."""
+        return (fp16_round(self.d) * (F32(0.5) + self.sc.astype(F32))) * F32(0.25)
+
+
+def fit(blocks: np.ndarray, qw: np.ndarray) -> tuple[XSGrid, np.ndarray, np.ndarray]:
+    """(grid, points ``[N, 32]``, negative ``[N, 256]``) of ggml's importance-weighted encoder."""
     n = blocks.shape[0]
     x = blocks.astype(F32, copy=False)
     w = importance_weights(x, qw.astype(F32, copy=False), mean_square(x))
@@ -64,10 +78,23 @@ def fit(blocks: np.ndarray, qw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     sc = np.clip(nearest_int(F32(0.5) * (safe_reciprocal(d)[:, None] * scales - F32(1))), 0, 15).astype(np.uint8)
     empty = scales == 0  # ggml leaves an empty block's entries zero: neither points nor signs
     points = np.where(np.repeat(empty, SUB // 8, axis=1), 0, points.reshape(n, -1))
-    return d[:, None], np.where(top[:, None] > 0, sc, 0).astype(np.uint8), points, negative & ~np.repeat(empty, SUB, axis=1)
+    return XSGrid(d[:, None], np.where(top[:, None] > 0, sc, 0).astype(np.uint8)), points, negative & ~np.repeat(empty, SUB, axis=1)
 
 
-def pack(d: np.ndarray, sc: np.ndarray, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
+def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> XSGrid:
+    """The grid of `fit`, for points and signs chosen elsewhere (GPTQ); without ``qw`` a uniform importance
+    (ggml has no unweighted fit)."""
+    return fit(blocks, np.ones_like(blocks, dtype=F32) if qw is None else qw)[0]
+
+
+def codebook() -> np.ndarray:
+    """The 512 grid points' decoded magnitudes ``[512, 8]`` float32 (8, 25, 43)."""
+    return grid_values()
+
+
+def pack(grid: XSGrid, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
+    """Bytes of ``[N, 32]`` grid points and ``[N, 256]`` signs (each 8 with even parity) on ``grid``."""
+    d, sc = grid.d, grid.sc
     n = points.shape[0]
     signs = (negative.reshape(n, 32, 8)[..., :7].astype(np.uint16) << np.arange(7, dtype=np.uint16)).sum(axis=2, dtype=np.uint16)
     qs = (points.astype(np.uint16) | (signs << 9)).astype("<u2")

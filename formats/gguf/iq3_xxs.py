@@ -12,22 +12,36 @@ off-grid groups at the fitted scale; a block whose largest value is below 1e-8 i
 element of least ``weight·x²`` (the first such), which then enters the fit with a negated magnitude. A block
 whose fitted scale comes out negative flips all its signs. ``d = max/31`` is stored ×1.0125, block scales
 ``round((s/d − 1)/2)``; a super-block whose scales are all 0 is all zero bytes. Shapes: ``[N, 256]`` <->
-``[N, 98]`` uint8. No GPTQ grid: the parity couples 8 signs, which GPTQ's per-group rounding does not model.
+``[N, 98]`` uint8. GPTQ (`compress.quantizers.gguf_gptq`) writes its own points and parity-fixed signs on `fit_grid`'s grid.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 
-from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, nearest_int, safe_reciprocal
+from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, fp16_round, nearest_int, safe_reciprocal
 from compress.formats.gguf.iq3_s import SUB, Tables, block_fit, tables
 from compress.formats.gguf.iq4_nl import error_weights
 from compress.formats.gguf.sizes import QK_K, GGMLType
 
 KIND = GGMLType.IQ3_XXS
 TINY = 1e-8  # ggml's GROUP_MAX_EPS_IQ3_XXS
+SIGN_PARITY = 8  # signs come in groups of 8 with an even number of negatives
+
+
+@dataclass(frozen=True)
+class XXSGrid:
+    """``d`` ``[N, 1]`` before the float16 store (×1.0125 included) and the 4-bit block scales ``sc`` ``[N, 8]``."""
+
+    d: np.ndarray
+    sc: np.ndarray
+
+    def scale(self) -> np.ndarray:
+        """Per block ``d·(0.5 + sc)·0.5`` ``[N, 8]``, as the decoder computes it (with the stored d)."""
+        return (fp16_round(self.d) * (F32(0.5) + self.sc.astype(F32))) * F32(0.5)
 
 
 @cache
@@ -58,8 +72,8 @@ def parity_signs(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return negative ^ flip, np.where(flip, -xval, xval)
 
 
-def fit(blocks: np.ndarray, qw: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """(d ``[N, 1]`` before the float16 store, 4-bit scales ``[N, 8]``, points ``[N, 64]``, negative ``[N, 256]``)."""
+def fit(blocks: np.ndarray, qw: np.ndarray | None = None) -> tuple[XXSGrid, np.ndarray, np.ndarray]:
+    """(grid, points ``[N, 64]``, negative ``[N, 256]``) of ggml's encoder; with ``qw`` its imatrix fit."""
     n = blocks.shape[0]
     x = blocks.astype(F32, copy=False)
     w = error_weights(x, qw)
@@ -74,10 +88,22 @@ def fit(blocks: np.ndarray, qw: np.ndarray | None = None) -> tuple[np.ndarray, n
     sc = np.clip(nearest_int(F32(0.5) * (safe_reciprocal(d)[:, None] * scales - F32(1))), 0, 15).astype(np.uint32)
     empty = np.repeat(scales == 0, SUB, axis=1)  # ggml writes neither points nor signs for an empty block
     points = np.where(np.repeat(scales == 0, SUB // 4, axis=1), 0, points.reshape(n, -1))
-    return (d * F32(1.0125))[:, None], np.where(top[:, None] > 0, sc, 0), points, negative & ~empty
+    return XXSGrid((d * F32(1.0125))[:, None], np.where(top[:, None] > 0, sc, 0)), points, negative & ~empty
 
 
-def pack(d: np.ndarray, sc: np.ndarray, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
+def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> XXSGrid:
+    """The grid of `fit`, for points and signs chosen elsewhere (GPTQ)."""
+    return fit(blocks, qw)[0]
+
+
+def codebook() -> np.ndarray:
+    """The 256 grid points' decoded magnitudes ``[256, 4]`` float32 (4, 12, ..., 52, 62)."""
+    return grid_values().astype(F32)
+
+
+def pack(grid: XXSGrid, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
+    """Bytes of ``[N, 64]`` grid points and ``[N, 256]`` signs (each 8 with even parity) on ``grid``."""
+    d, sc = grid.d, grid.sc.astype(np.uint32)
     n = points.shape[0]
     bits = negative.reshape(n, 8, 4, 8)[..., :7].astype(np.uint32) << np.arange(7, dtype=np.uint32)
     words = (bits.sum(axis=3) << (7 * np.arange(4, dtype=np.uint32))).sum(axis=2, dtype=np.uint32) | (sc << 28)

@@ -8,7 +8,7 @@ import pytest
 gguf = pytest.importorskip("gguf")
 from gguf.quants import dequantize, quantize  # noqa: E402
 
-from compress.formats.gguf.codecs import CODECS, decode_tensor, encode_tensor  # noqa: E402
+from compress.formats.gguf.codecs import CODECS, decode_tensor, encode_tensor, needs_importance  # noqa: E402
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType  # noqa: E402
 from references import one_line_error  # noqa: E402
 
@@ -46,8 +46,7 @@ def test_size_table_matches_gguf_py():
 @pytest.mark.parametrize("kind", ALL, ids=lambda k: k.name)
 def test_decode_is_bit_exact_with_gguf_py_on_our_encoding(kind):
     w = weights()
-    needs = getattr(CODECS[kind], "NEEDS_IMPORTANCE", False)
-    data = encode_tensor(w, kind, np.random.default_rng(2).gamma(0.5, 2.0, w.shape[1]) if needs else None)
+    data = encode_tensor(w, kind, np.random.default_rng(2).gamma(0.5, 2.0, w.shape[1]) if needs_importance(kind) else None)
     ours = decode_tensor(data, kind, w.shape[1])
     ref = dequantize(data.copy(), gguf.GGMLQuantizationType(int(kind))).reshape(ours.shape)
     assert same_bits(ours, ref)

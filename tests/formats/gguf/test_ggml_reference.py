@@ -11,7 +11,7 @@ import pytest
 llama_cpp = pytest.importorskip("llama_cpp", reason="llama-cpp-python is not installed: pip install -e '.[gguf]'")
 
 from compress.eval.llama_cpp_worker import LlamaCppWorker  # noqa: E402
-from compress.formats.gguf.codecs import CODECS, decode_tensor, encode_tensor  # noqa: E402
+from compress.formats.gguf.codecs import CODECS, decode_tensor, encode_tensor, needs_importance  # noqa: E402
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType  # noqa: E402
 from gguf_reference import ggml_quantize_chunk  # noqa: E402
 
@@ -46,7 +46,7 @@ def matrices():
 
 
 BLOCKED = [k for k in CODECS if BLOCK_SIZES[k][0] > 1]
-NEEDS_IMPORTANCE = {k for k in BLOCKED if getattr(CODECS[k], "NEEDS_IMPORTANCE", False)}  # ggml asserts without one
+NEEDS_IMPORTANCE = {k for k in BLOCKED if needs_importance(k)}  # ggml asserts without one
 
 
 @pytest.mark.parametrize("kind", [k for k in BLOCKED if k not in NEEDS_IMPORTANCE], ids=lambda k: k.name)
