@@ -44,10 +44,15 @@ def grid_values() -> np.ndarray:
     return np.asarray(IQ2_XS.grid, dtype=np.float32).reshape(512, 8)
 
 
+def level_codes(values: np.ndarray) -> tuple[int, ...]:
+    """ggml's ``kgrid_2bit_*`` from a grid's decoded values ``[P, 8]`` (8, 25, 43 -> levels 0, 1, 2 in 2 bits each)."""
+    levels = np.vectorize(_LEVEL.get)(values.astype(np.int64))
+    return tuple(int(c) for c in (levels << (2 * np.arange(8))).sum(axis=1))
+
+
 def grid_tables() -> Tables:
-    """ggml's ``iq2xs_init_impl(IQ2_XS)``: ``kgrid_2bit_512`` (levels 0..2 in 2 bits each), 2 neighbour distances."""
-    levels = np.vectorize(_LEVEL.get)(grid_values().astype(np.int64))
-    return tables(tuple(int(c) for c in (levels << (2 * np.arange(8))).sum(axis=1)), 2, group=8, bits=2, max_level=2)
+    """ggml's ``iq2xs_init_impl(IQ2_XS)``: ``kgrid_2bit_512``, neighbours at the 2 smallest distances."""
+    return tables(level_codes(grid_values()), 2, group=8, bits=2, max_level=2)
 
 
 @dataclass(frozen=True)

@@ -14,17 +14,19 @@ llama.cpp's ``llama-quantize --pure``. Mixed presets follow ``llama_tensor_get_t
 - a fused ``attn_qkv`` (Phi-3) is ``attn_v``-like (llama.cpp's ``category_is_attn_v``) and follows its rules;
 - ``iq3_m`` (llama.cpp's IQ3_M file type, IQ3_S elsewhere): ``attn_v`` and ``attn_output`` -> Q4_K, ``ffn_down``
   -> Q4_K below n/8;
-- ``iq2_xs`` (llama.cpp's IQ2_XS file type; llama.cpp has no pure IQ2_XS, as ggml cannot fit the embeddings
-  without an importance matrix): output (or tied embeddings) -> Q5_K, untied ``token_embd`` -> Q2_K, ``attn_v``
-  -> Q4_K when ``n_head/n_head_kv ≥ 4`` or ≥ 4 experts else Q2_K, ``ffn_down`` -> Q2_K below n/8; with 8
-  experts ``attn_k`` -> Q4_K and ``attn_output`` -> Q5_K;
+- ``iq2_xs``, ``iq2_s``, ``iq2_m`` (llama.cpp's IQ2_XS, IQ2_S and IQ2_M file types: IQ2_XS, IQ2_XS again and
+  IQ2_S elsewhere; llama.cpp has no pure IQ2_XS, as ggml cannot fit the embeddings without an importance
+  matrix): output (or tied embeddings) -> Q5_K; a "bump" type, Q2_K for ``iq2_xs`` and IQ3_S for the other two,
+  for untied ``token_embd``, for ``attn_v`` (Q4_K when ``n_head/n_head_kv ≥ 4`` or ≥ 4 experts) and for
+  ``ffn_down`` below n/8; ``attn_output`` -> IQ3_S for ``iq2_s``/``iq2_m``; with 8 experts ``attn_k`` -> Q4_K and
+  ``attn_output`` -> Q5_K;
 - ``iq4_xs_mix`` (llama.cpp's IQ4_XS file type): ``attn_v`` -> Q5_K when ``n_head/n_head_kv ≥ 4``;
   ``ffn_down`` -> Q5_K below n/8 when no importance matrix is used (llama.cpp's ``has_imatrix``; GPTQ's
   Hessian-weighted fit counts as one).
 
 Either way a type whose block does not divide the row length falls back as llama.cpp's
 ``tensor_type_fallback`` does (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS,
-IQ3_S, IQ3_XXS and IQ2_XS -> IQ4_NL, then F16).
+IQ3_S, IQ3_XXS, IQ2_XS and IQ2_S -> IQ4_NL, then F16).
 1-D tensors (norms, biases), GPT-2's position embeddings and MoE routers (``ffn_gate_inp``) are always F32;
 a matrix of one row (Qwen2-MoE's ``ffn_gate_inp_shexp``), 1-D to ggml, stays F16 as llama-quantize leaves it.
 MoE experts are stacked per block and role (``ffn_{gate,up,down}_exps``, ``[n_expert, out, in]``) and follow
@@ -68,6 +70,8 @@ class Target(str, Enum):
     iq4_xs_mix = "iq4_xs_mix"
     iq3_m = "iq3_m"
     iq2_xs = "iq2_xs"
+    iq2_s = "iq2_s"
+    iq2_m = "iq2_m"
 
 
 BASE = {
@@ -77,9 +81,10 @@ BASE = {
     Target.q4_k_m: G.Q4_K, Target.q5_k_s: G.Q5_K, Target.q5_k_m: G.Q5_K,
     Target.iq3_s: G.IQ3_S, Target.iq4_nl: G.IQ4_NL, Target.iq4_xs: G.IQ4_XS, Target.iq4_xs_mix: G.IQ4_XS,
     Target.iq3_m: G.IQ3_S, Target.iq3_xxs: G.IQ3_XXS, Target.iq2_xs: G.IQ2_XS,
+    Target.iq2_s: G.IQ2_XS, Target.iq2_m: G.IQ2_S,  # llama.cpp's IQ2_S file type is mostly IQ2_XS
 }
 PRESETS = {Target.q3_k_m, Target.q4_k_s, Target.q4_k_m, Target.q5_k_s, Target.q5_k_m, Target.iq4_xs_mix, Target.iq3_m,
-           Target.iq2_xs}
+           Target.iq2_xs, Target.iq2_s, Target.iq2_m}
 
 # general.file_type (llama.cpp LLAMA_FTYPE_*); a pure k-quant file is "mostly" that type (the _S id).
 FILE_TYPE = {
@@ -87,11 +92,11 @@ FILE_TYPE = {
     Target.q5_1: 9, Target.q2_k: 10, Target.q3_k: 11, Target.q4_k: 14, Target.q5_k: 16, Target.q6_k: 18,
     Target.q3_k_m: 12, Target.q4_k_s: 14, Target.q4_k_m: 15, Target.q5_k_s: 16, Target.q5_k_m: 17,
     Target.iq3_s: 26, Target.iq4_nl: 25, Target.iq4_xs: 30, Target.iq4_xs_mix: 30, Target.iq3_m: 27,
-    Target.iq3_xxs: 23, Target.iq2_xs: 20,
+    Target.iq3_xxs: 23, Target.iq2_xs: 20, Target.iq2_s: 28, Target.iq2_m: 29,
 }
 
 FALLBACK = {G.Q2_K: G.Q4_0, G.Q3_K: G.Q4_0, G.Q4_K: G.Q5_0, G.Q5_K: G.Q5_1, G.Q6_K: G.Q8_0, G.IQ3_S: G.IQ4_NL, G.IQ3_XXS: G.IQ4_NL,
-            G.IQ4_XS: G.IQ4_NL, G.IQ2_XS: G.IQ4_NL}
+            G.IQ4_XS: G.IQ4_NL, G.IQ2_XS: G.IQ4_NL, G.IQ2_S: G.IQ4_NL}
 
 # HF parameter name -> GGUF tensor name (gguf-py constants.py MODEL_TENSORS for LLAMA / QWEN2 / QWEN3)
 _TOP = {
@@ -136,7 +141,7 @@ _NAMES = {"gpt2": ({**_GPT2_TOP, **{f"transformer.{k}": v for k, v in _GPT2_TOP.
                    _GPT2_BLOCK_RE, _GPT2_BLOCK)}
 # Types llama-quantize writes only from an importance matrix (``tensor_requires_imatrix``; embeddings and output
 # excepted): their lattice fit without one is too poor to ship.
-NEEDS_IMATRIX = {G.IQ3_XXS, G.IQ2_XS}
+NEEDS_IMATRIX = {G.IQ3_XXS, G.IQ2_XS, G.IQ2_S}
 
 
 def needs_imatrix(name: str, kind: GGMLType) -> bool:
@@ -186,27 +191,29 @@ def _layer(name: str) -> int:
     return int(name.split(".")[1])
 
 
-def _iq2_mixed(name: str, base: GGMLType, cols: int, n_layers: int, tied: bool, n_gqa: int, n_expert: int) -> GGMLType:
-    """llama.cpp's IQ2_XS file type: its own branch of ``llama_tensor_get_type_impl``."""
+def _iq2_mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: int, tied: bool, n_gqa: int,
+               n_expert: int) -> GGMLType:
+    """llama.cpp's IQ2_XS, IQ2_S and IQ2_M file types: their own branch of ``llama_tensor_get_type_impl``."""
+    bump = G.Q2_K if target == Target.iq2_xs else G.IQ3_S
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         return G.Q8_0 if cols % BLOCK_SIZES[base][0] else G.Q5_K
     if name == "token_embd.weight":
-        return G.Q2_K
+        return bump
     if _attn_v_like(name):
-        return G.Q4_K if n_gqa >= 4 or n_expert >= 4 else G.Q2_K
+        return G.Q4_K if n_gqa >= 4 or n_expert >= 4 else bump
     if n_expert == 8 and _is(name, "attn_k.weight"):
         return G.Q4_K
     if _is(name, "ffn_down"):
-        return G.Q2_K if _layer(name) < n_layers // 8 else base
-    if n_expert == 8 and _is(name, "attn_output.weight"):
-        return G.Q5_K
+        return bump if _layer(name) < n_layers // 8 else base
+    if _is(name, "attn_output.weight"):
+        return G.Q5_K if n_expert == 8 else base if target == Target.iq2_xs else G.IQ3_S
     return base
 
 
 def _mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: int, tied: bool, n_gqa: int,
            has_imatrix: bool, n_expert: int) -> GGMLType:
-    if target == Target.iq2_xs:
-        return _iq2_mixed(name, base, cols, n_layers, tied, n_gqa, n_expert)
+    if target in (Target.iq2_xs, Target.iq2_s, Target.iq2_m):
+        return _iq2_mixed(target, name, base, cols, n_layers, tied, n_gqa, n_expert)
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         return G.Q8_0 if cols % BLOCK_SIZES[base][0] else G.Q6_K
     eight_experts = n_expert == 8  # llama.cpp's Mixtral-8x7B rules

@@ -28,6 +28,7 @@ class GGMLType(IntEnum):
     IQ3_XXS = 18
     IQ4_NL = 20
     IQ3_S = 21
+    IQ2_S = 22
     IQ4_XS = 23
     BF16 = 30
 
@@ -54,6 +55,7 @@ BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.IQ4_NL: (32, 2 + 16),
     GGMLType.IQ3_S: (QK_K, 2 + QK_K // 4 + QK_K // 32 + QK_K // 8 + QK_K // 64),
     GGMLType.IQ4_XS: (QK_K, 2 + 2 + QK_K // 64 + QK_K // 2),
+    GGMLType.IQ2_S: (QK_K, 2 + QK_K // 4 + QK_K // 32 + QK_K // 32),
 }
 
 

@@ -201,22 +201,29 @@ def test_iq3_xxs_needs_an_imatrix_and_llama_cpp_agrees(reference_imatrix, eval_i
     assert abs(theirs / ours - 1) < 0.005, (theirs, ours)
 
 
-def test_iq2_xs_file_type_needs_an_imatrix_follows_llama_cpps_rules_and_llama_cpp_agrees(reference_imatrix, eval_ids, tmp_path):
-    """llama.cpp's IQ2_XS file type: refused without an importance matrix; with one, the types of
-    ``llama_tensor_get_type_impl``'s IQ2 branch (reference model: 2 query heads per KV head, 4 blocks, untied),
-    and llama.cpp's perplexity of the file within 0.5% of our evaluator's on transformers' dequantization."""
+IQ2_TYPES = {  # llama_tensor_get_type_impl's IQ2 branch on the reference model (n_gqa 2, 4 blocks: n/8 = 0, untied)
+    Target.iq2_xs: {"token_embd": "Q2_K", "output": "Q5_K", "blk.0.attn_v": "Q2_K", "blk.3.attn_output": "IQ2_XS",
+                    "blk.0.ffn_down": "IQ2_XS", "blk.0.attn_q": "IQ2_XS"},
+    Target.iq2_m: {"token_embd": "IQ3_S", "output": "Q5_K", "blk.0.attn_v": "IQ3_S", "blk.3.attn_output": "IQ3_S",
+                   "blk.0.ffn_down": "IQ2_S", "blk.0.attn_q": "IQ2_S"},
+}
+
+
+@pytest.mark.parametrize("target", list(IQ2_TYPES), ids=lambda t: t.value)
+def test_iq2_file_types_need_an_imatrix_follow_llama_cpps_rules_and_llama_cpp_agrees(reference_imatrix, eval_ids, tmp_path, target):
+    """llama.cpp's IQ2_XS and IQ2_M file types: refused without an importance matrix; with one, the types of
+    ``llama_tensor_get_type_impl``'s IQ2 branch, and llama.cpp's perplexity of the file within 0.5% of our
+    evaluator's on transformers' dequantization."""
     from gguf import GGUFReader
     from references import one_line_error
 
     plain = tmp_path / "plain.gguf"
-    assert "needs an importance matrix" in one_line_error(export_gguf, ExportConfig(REFERENCE_MODEL, plain, Target.iq2_xs))
+    assert "needs an importance matrix" in one_line_error(export_gguf, ExportConfig(REFERENCE_MODEL, plain, target))
     assert not plain.exists()
-    path = tmp_path / "iq2_xs.gguf"
-    export_gguf(ExportConfig(REFERENCE_MODEL, path, Target.iq2_xs, imatrix=reference_imatrix))
-    types = {t.name: t.tensor_type.name for t in GGUFReader(str(path)).tensors}
-    assert types["token_embd.weight"] == "Q2_K" and types["output.weight"] == "Q5_K"
-    assert types["blk.0.attn_v.weight"] == types["blk.3.attn_v.weight"] == "Q2_K"  # n_gqa < 4
-    assert types["blk.0.ffn_down.weight"] == types["blk.0.attn_q.weight"] == "IQ2_XS"  # n/8 = 0 blocks of ffn_down in Q2_K
+    path = tmp_path / f"{target.value}.gguf"
+    export_gguf(ExportConfig(REFERENCE_MODEL, path, target, imatrix=reference_imatrix))
+    types = {t.name.removesuffix(".weight"): t.tensor_type.name for t in GGUFReader(str(path)).tensors}
+    assert {k: types[k] for k in IQ2_TYPES[target]} == IQ2_TYPES[target]
     ours = evaluate(transformers_model(path), torch.tensor(eval_ids), ctx=512).perplexity
     theirs = llamacpp_perplexity(path, eval_ids, ctx=512)
     assert abs(theirs / ours - 1) < 0.005, (theirs, ours)
