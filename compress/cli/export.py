@@ -19,7 +19,7 @@ def export_command(
     gguf_type: str = typer.Option(
         "q8_0", "--type",
         help="GGML type for every weight matrix (f16 bf16 q8_0 q4_0 q4_1 q5_0 q5_1 q2_k q3_k q4_k q5_k q6_k iq3_xxs iq3_s "
-        "iq4_nl iq4_xs) or a llama.cpp mix (q3_k_m q4_k_s q4_k_m q5_k_s q5_k_m iq4_xs_mix iq3_m iq2_xs iq2_s iq2_m).",
+        "iq4_nl iq4_xs) or a llama.cpp mix (q3_k_m q4_k_s q4_k_m q5_k_s q5_k_m iq4_xs_mix iq3_m iq2_xxs iq2_xs iq2_s iq2_m).",
     ),
     method: str = typer.Option(
         "rtn", "--method",

@@ -307,6 +307,8 @@ def make_qp_quants(x: np.ndarray, nmax: int, w: np.ndarray) -> tuple[np.ndarray,
     Used to quantize a super-block's sub-block scales (x ≥ 0) with the sub-blocks' total importance as
     weights: 8 trial inverse scales ``(nmax + 0.1·i)/max`` around the plain one, then up to 5 passes of
     coordinate descent on the weighted least-squares fit. Returns (scale [N], L [N, n] int32).
+    A negative x (IQ2_XXS fits magnitudes of which one per 8 may be negated) rounds to a negative level, which
+    ggml keeps in its ``uint8_t`` L array: where ggml reads L back it sees the level mod 256, and so do we.
     """
     x = x.astype(F32, copy=False)
     w = w.astype(F32, copy=False)
@@ -317,7 +319,7 @@ def make_qp_quants(x: np.ndarray, nmax: int, w: np.ndarray) -> tuple[np.ndarray,
 
     def mse(iscale, clamp):
         levels = np.rint(iscale * xt)
-        levels = np.minimum(levels, nmax) if clamp else levels
+        levels = np.minimum(levels, nmax) if clamp else np.mod(levels, F32(256))  # the plain try is read from L
         diff = xt - (F32(1) / iscale) * levels
         return _running_sum(wt * diff * diff)
 
@@ -331,9 +333,10 @@ def make_qp_quants(x: np.ndarray, nmax: int, w: np.ndarray) -> tuple[np.ndarray,
         better = cur < best
         best = np.where(better, cur, best)
         chosen = np.where(better, iscale, chosen)
-    levels = np.minimum(np.rint(chosen * xt), nmax)
-    sumlx = _running_sum(wt * xt * levels)
-    suml2 = _running_sum(wt * levels * levels)
+    signed = np.minimum(np.rint(chosen * xt), nmax)
+    sumlx = _running_sum(wt * xt * signed)
+    suml2 = _running_sum(wt * signed * signed)
+    levels = np.mod(signed, F32(256))  # as stored in L
     active = ~empty
     with np.errstate(divide="ignore", invalid="ignore"):
         for _ in range(5):
@@ -347,7 +350,7 @@ def make_qp_quants(x: np.ndarray, nmax: int, w: np.ndarray) -> tuple[np.ndarray,
                 sl2_new = sl2 + wi * new * new
                 take = (active & (slx > 0) & (sl2 > 0) & (new != li)
                         & (slx_new * slx_new * suml2 > sumlx * sumlx * sl2_new))
-                levels[i] = np.where(take, new, li)
+                levels[i] = np.where(take, np.mod(new, F32(256)), li)
                 sumlx = np.where(take, slx_new, sumlx)
                 suml2 = np.where(take, sl2_new, suml2)
                 changed |= take

@@ -18,12 +18,12 @@ import torch
 
 from compress.errors import CompressError
 from compress.formats.gguf._common import mean_square
-from compress.formats.gguf import bf16, f16, iq2_s, iq2_xs, iq3_s, iq3_xxs, iq4_nl, iq4_xs, q2_k, q3_k, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
+from compress.formats.gguf import bf16, f16, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs, iq4_nl, iq4_xs, q2_k, q3_k, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
 from compress.quantizers.threads import one_thread
 
 CODECS: dict[GGMLType, ModuleType] = {
-    m.KIND: m for m in (f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, iq3_s, iq3_xxs, iq2_xs, iq2_s)
+    m.KIND: m for m in (f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, iq3_s, iq3_xxs, iq2_xxs, iq2_xs, iq2_s)
 }
 # Elements per encoding task. One worker: the solvers' temporaries stay in cache (fastest at 2^16 on a
 # 2-core machine; 2^23 was 1.9x slower). Several workers (a thread pool: numpy and torch release the GIL,

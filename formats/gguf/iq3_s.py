@@ -170,19 +170,22 @@ def _sums(levels: np.ndarray, xval: np.ndarray, w: np.ndarray) -> tuple[np.ndarr
 
 
 def block_fit(xval: np.ndarray, w: np.ndarray, t: Tables | None = None, steps: int = 9, tiny: float = 0.0,
-              resnap_all: bool = True, base: float = 15, increment: float = 0.2) -> tuple[np.ndarray, np.ndarray]:
+              resnap_all: bool = True, base: float = 15, increment: float = 0.2, top: np.ndarray | None = None,
+              scale0: np.ndarray | None = None, resnap_always: bool = False) -> tuple[np.ndarray, np.ndarray]:
     """Per block (rows of ``xval``, ``w`` ``[M, S]``; ``xval`` the magnitudes to fit, |x| for IQ3_S):
     (scale ``[M]``, grid points ``[M, S / group]``) as ggml picks them on grid ``t`` (IQ3_S's by default) from
     the trial inverse scales ``(base + increment·s)/max`` for s in −steps..steps; a block whose largest value
     is below ``tiny`` (or 0) is empty (scale 0, levels 0). When a group was off the grid, the groups are
     snapped again at the fitted scale: every group for IQ3_S, only the off-grid ones with
-    ``resnap_all=False`` (IQ3_XXS, IQ2_XS)."""
+    ``resnap_all=False`` (IQ3_XXS, IQ2_XS), every group whatever the trials found with ``resnap_always`` (IQ2_XXS).
+    ``top`` replaces max as the trials' denominator and ``scale0`` the scale kept if no trial fits (``top/base``)."""
     t = t or tables()
     waux = np.sqrt(w).astype(F32)
-    top = xval.max(axis=1)
+    top = xval.max(axis=1) if top is None else top
     empty = (top < F32(tiny)) | (top <= 0)
     top = np.where(empty, F32(1), top)
-    scale, best = (top / F32(base)).astype(F32), np.zeros_like(top)
+    scale = (top / F32(base)).astype(F32) if scale0 is None else scale0.astype(F32)
+    best = np.zeros_like(top)
     levels = np.zeros(xval.shape, dtype=np.int32)
     on_grid = np.zeros((xval.shape[0], xval.shape[1] // t.group), dtype=bool)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -196,12 +199,12 @@ def block_fit(xval: np.ndarray, w: np.ndarray, t: Tables | None = None, steps: i
             best = np.where(better, scale * sumqx, best)
             levels = np.where(better[:, None], trial, levels)
             on_grid = np.where(better[:, None], on, on_grid)
-        redo = ~on_grid.all(axis=1) & (scale > 0) & ~empty
+        redo = (resnap_always | ~on_grid.all(axis=1)) & (scale > 0) & ~empty
         if redo.any():
             r = np.flatnonzero(redo)
             point, _ = _snap(t, _levels(t, F32(1) / scale[r], xval[r]), xval[r], waux[r], scale[r])
             snapped = t.grid[point].reshape(len(r), -1)
-            keep = on_grid[r].repeat(t.group, axis=1) & (not resnap_all)
+            keep = on_grid[r].repeat(t.group, axis=1) & (not resnap_all) & (not resnap_always)
             levels[r] = np.where(keep, levels[r], snapped)
             sumqx, sumq2 = _sums(levels[r], xval[r], w[r])
             scale[r] = np.where(sumq2 > 0, sumqx / sumq2, scale[r])

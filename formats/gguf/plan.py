@@ -14,9 +14,10 @@ llama.cpp's ``llama-quantize --pure``. Mixed presets follow ``llama_tensor_get_t
 - a fused ``attn_qkv`` (Phi-3) is ``attn_v``-like (llama.cpp's ``category_is_attn_v``) and follows its rules;
 - ``iq3_m`` (llama.cpp's IQ3_M file type, IQ3_S elsewhere): ``attn_v`` and ``attn_output`` -> Q4_K, ``ffn_down``
   -> Q4_K below n/8;
-- ``iq2_xs``, ``iq2_s``, ``iq2_m`` (llama.cpp's IQ2_XS, IQ2_S and IQ2_M file types: IQ2_XS, IQ2_XS again and
-  IQ2_S elsewhere; llama.cpp has no pure IQ2_XS, as ggml cannot fit the embeddings without an importance
-  matrix): output (or tied embeddings) -> Q5_K; a "bump" type, Q2_K for ``iq2_xs`` and IQ3_S for the other two,
+- ``iq2_xxs``, ``iq2_xs``, ``iq2_s``, ``iq2_m`` (llama.cpp's IQ2_XXS, IQ2_XS, IQ2_S and IQ2_M file types: IQ2_XXS,
+  IQ2_XS, IQ2_XS again and IQ2_S elsewhere; llama.cpp has no pure IQ2_XXS/IQ2_XS, as ggml cannot fit the
+  embeddings without an importance matrix): output (or tied embeddings) -> Q5_K; a "bump" type, Q2_K for
+  ``iq2_xxs``/``iq2_xs`` and IQ3_S for the other two,
   for untied ``token_embd``, for ``attn_v`` (Q4_K when ``n_head/n_head_kv ≥ 4`` or ≥ 4 experts) and for
   ``ffn_down`` below n/8; ``attn_output`` -> IQ3_S for ``iq2_s``/``iq2_m``; with 8 experts ``attn_k`` -> Q4_K and
   ``attn_output`` -> Q5_K;
@@ -69,6 +70,7 @@ class Target(str, Enum):
     iq4_xs = "iq4_xs"
     iq4_xs_mix = "iq4_xs_mix"
     iq3_m = "iq3_m"
+    iq2_xxs = "iq2_xxs"
     iq2_xs = "iq2_xs"
     iq2_s = "iq2_s"
     iq2_m = "iq2_m"
@@ -80,11 +82,11 @@ BASE = {
     Target.q5_k: G.Q5_K, Target.q6_k: G.Q6_K, Target.q3_k_m: G.Q3_K, Target.q4_k_s: G.Q4_K,
     Target.q4_k_m: G.Q4_K, Target.q5_k_s: G.Q5_K, Target.q5_k_m: G.Q5_K,
     Target.iq3_s: G.IQ3_S, Target.iq4_nl: G.IQ4_NL, Target.iq4_xs: G.IQ4_XS, Target.iq4_xs_mix: G.IQ4_XS,
-    Target.iq3_m: G.IQ3_S, Target.iq3_xxs: G.IQ3_XXS, Target.iq2_xs: G.IQ2_XS,
+    Target.iq3_m: G.IQ3_S, Target.iq3_xxs: G.IQ3_XXS, Target.iq2_xs: G.IQ2_XS, Target.iq2_xxs: G.IQ2_XXS,
     Target.iq2_s: G.IQ2_XS, Target.iq2_m: G.IQ2_S,  # llama.cpp's IQ2_S file type is mostly IQ2_XS
 }
 PRESETS = {Target.q3_k_m, Target.q4_k_s, Target.q4_k_m, Target.q5_k_s, Target.q5_k_m, Target.iq4_xs_mix, Target.iq3_m,
-           Target.iq2_xs, Target.iq2_s, Target.iq2_m}
+           Target.iq2_xxs, Target.iq2_xs, Target.iq2_s, Target.iq2_m}
 
 # general.file_type (llama.cpp LLAMA_FTYPE_*); a pure k-quant file is "mostly" that type (the _S id).
 FILE_TYPE = {
@@ -92,11 +94,11 @@ FILE_TYPE = {
     Target.q5_1: 9, Target.q2_k: 10, Target.q3_k: 11, Target.q4_k: 14, Target.q5_k: 16, Target.q6_k: 18,
     Target.q3_k_m: 12, Target.q4_k_s: 14, Target.q4_k_m: 15, Target.q5_k_s: 16, Target.q5_k_m: 17,
     Target.iq3_s: 26, Target.iq4_nl: 25, Target.iq4_xs: 30, Target.iq4_xs_mix: 30, Target.iq3_m: 27,
-    Target.iq3_xxs: 23, Target.iq2_xs: 20, Target.iq2_s: 28, Target.iq2_m: 29,
+    Target.iq3_xxs: 23, Target.iq2_xxs: 19, Target.iq2_xs: 20, Target.iq2_s: 28, Target.iq2_m: 29,
 }
 
 FALLBACK = {G.Q2_K: G.Q4_0, G.Q3_K: G.Q4_0, G.Q4_K: G.Q5_0, G.Q5_K: G.Q5_1, G.Q6_K: G.Q8_0, G.IQ3_S: G.IQ4_NL, G.IQ3_XXS: G.IQ4_NL,
-            G.IQ4_XS: G.IQ4_NL, G.IQ2_XS: G.IQ4_NL, G.IQ2_S: G.IQ4_NL}
+            G.IQ4_XS: G.IQ4_NL, G.IQ2_XXS: G.IQ4_NL, G.IQ2_XS: G.IQ4_NL, G.IQ2_S: G.IQ4_NL}
 
 # HF parameter name -> GGUF tensor name (gguf-py constants.py MODEL_TENSORS for LLAMA / QWEN2 / QWEN3)
 _TOP = {
@@ -141,7 +143,7 @@ _NAMES = {"gpt2": ({**_GPT2_TOP, **{f"transformer.{k}": v for k, v in _GPT2_TOP.
                    _GPT2_BLOCK_RE, _GPT2_BLOCK)}
 # Types llama-quantize writes only from an importance matrix (``tensor_requires_imatrix``; embeddings and output
 # excepted): their lattice fit without one is too poor to ship.
-NEEDS_IMATRIX = {G.IQ3_XXS, G.IQ2_XS, G.IQ2_S}
+NEEDS_IMATRIX = {G.IQ3_XXS, G.IQ2_XXS, G.IQ2_XS, G.IQ2_S}
 
 
 def needs_imatrix(name: str, kind: GGMLType) -> bool:
@@ -193,8 +195,9 @@ def _layer(name: str) -> int:
 
 def _iq2_mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: int, tied: bool, n_gqa: int,
                n_expert: int) -> GGMLType:
-    """llama.cpp's IQ2_XS, IQ2_S and IQ2_M file types: their own branch of ``llama_tensor_get_type_impl``."""
-    bump = G.Q2_K if target == Target.iq2_xs else G.IQ3_S
+    """llama.cpp's IQ2_XXS, IQ2_XS, IQ2_S and IQ2_M file types: their own branch of ``llama_tensor_get_type_impl``."""
+    small = target in (Target.iq2_xxs, Target.iq2_xs)
+    bump = G.Q2_K if small else G.IQ3_S
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         return G.Q8_0 if cols % BLOCK_SIZES[base][0] else G.Q5_K
     if name == "token_embd.weight":
@@ -206,13 +209,13 @@ def _iq2_mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: i
     if _is(name, "ffn_down"):
         return bump if _layer(name) < n_layers // 8 else base
     if _is(name, "attn_output.weight"):
-        return G.Q5_K if n_expert == 8 else base if target == Target.iq2_xs else G.IQ3_S
+        return G.Q5_K if n_expert == 8 else base if small else G.IQ3_S
     return base
 
 
 def _mixed(target: Target, name: str, base: GGMLType, cols: int, n_layers: int, tied: bool, n_gqa: int,
            has_imatrix: bool, n_expert: int) -> GGMLType:
-    if target in (Target.iq2_xs, Target.iq2_s, Target.iq2_m):
+    if target in (Target.iq2_xxs, Target.iq2_xs, Target.iq2_s, Target.iq2_m):
         return _iq2_mixed(target, name, base, cols, n_layers, tied, n_gqa, n_expert)
     if name == "output.weight" or (tied and name == "token_embd.weight"):
         return G.Q8_0 if cols % BLOCK_SIZES[base][0] else G.Q6_K

@@ -24,6 +24,7 @@ class GGMLType(IntEnum):
     Q4_K = 12
     Q5_K = 13
     Q6_K = 14
+    IQ2_XXS = 16
     IQ2_XS = 17
     IQ3_XXS = 18
     IQ4_NL = 20
@@ -50,6 +51,7 @@ BLOCK_SIZES: dict[GGMLType, tuple[int, int]] = {
     GGMLType.Q4_K: (QK_K, 2 + 2 + 12 + QK_K // 2),
     GGMLType.Q5_K: (QK_K, 2 + 2 + 12 + QK_K // 8 + QK_K // 2),
     GGMLType.Q6_K: (QK_K, QK_K // 2 + QK_K // 4 + QK_K // 16 + 2),
+    GGMLType.IQ2_XXS: (QK_K, 2 + QK_K // 4),
     GGMLType.IQ2_XS: (QK_K, 2 + QK_K // 4 + QK_K // 32),
     GGMLType.IQ3_XXS: (QK_K, 2 + QK_K // 4 + QK_K // 8),
     GGMLType.IQ4_NL: (32, 2 + 16),

@@ -86,7 +86,7 @@ def reference_lattice_obq(weight: torch.Tensor, hessian: torch.Tensor, kind: GGM
     return out
 
 
-@pytest.mark.parametrize("kind, rel", [(G.IQ3_S, 0.02), (G.IQ3_XXS, 0.03), (G.IQ2_XS, 0.03), (G.IQ2_S, 0.02)], ids=lambda v: getattr(v, "name", str(v)))
+@pytest.mark.parametrize("kind, rel", [(G.IQ3_S, 0.02), (G.IQ3_XXS, 0.03), (G.IQ2_XXS, 0.03), (G.IQ2_XS, 0.03), (G.IQ2_S, 0.02)], ids=lambda v: getattr(v, "name", str(v)))
 def test_lattice_matches_slow_textbook_reference(kind, rel):
     """A near-tie between two codebook points flips with float32 vs float64 arithmetic (and ours weighs a
     group's later columns by their Hinv_ii after its earlier ones are eliminated), and the rest of that row then
@@ -117,7 +117,7 @@ def test_matches_slow_textbook_reference(kind):
     assert proxy(w, ours.weight, h) == pytest.approx(proxy(w, ref, h), rel=0.02)
 
 
-@pytest.mark.parametrize("kind", TYPES + [G.IQ3_S, G.IQ3_XXS, G.IQ2_XS, G.IQ2_S], ids=lambda k: k.name)
+@pytest.mark.parametrize("kind", TYPES + [G.IQ3_S, G.IQ3_XXS, G.IQ2_XXS, G.IQ2_XS, G.IQ2_S], ids=lambda k: k.name)
 def test_bytes_are_the_weight_and_beat_ggml_rounding(kind):
     w, h, _ = correlated_layer(16, 512, 2048, seed=4)
     w0, h0 = w.clone(), h.clone()

@@ -202,6 +202,8 @@ def test_iq3_xxs_needs_an_imatrix_and_llama_cpp_agrees(reference_imatrix, eval_i
 
 
 IQ2_TYPES = {  # llama_tensor_get_type_impl's IQ2 branch on the reference model (n_gqa 2, 4 blocks: n/8 = 0, untied)
+    Target.iq2_xxs: {"token_embd": "Q2_K", "output": "Q5_K", "blk.0.attn_v": "Q2_K", "blk.3.attn_output": "IQ2_XXS",
+                     "blk.0.ffn_down": "IQ2_XXS", "blk.0.attn_q": "IQ2_XXS"},
     Target.iq2_xs: {"token_embd": "Q2_K", "output": "Q5_K", "blk.0.attn_v": "Q2_K", "blk.3.attn_output": "IQ2_XS",
                     "blk.0.ffn_down": "IQ2_XS", "blk.0.attn_q": "IQ2_XS"},
     Target.iq2_m: {"token_embd": "IQ3_S", "output": "Q5_K", "blk.0.attn_v": "IQ3_S", "blk.3.attn_output": "IQ3_S",
@@ -211,7 +213,7 @@ IQ2_TYPES = {  # llama_tensor_get_type_impl's IQ2 branch on the reference model 
 
 @pytest.mark.parametrize("target", list(IQ2_TYPES), ids=lambda t: t.value)
 def test_iq2_file_types_need_an_imatrix_follow_llama_cpps_rules_and_llama_cpp_agrees(reference_imatrix, eval_ids, tmp_path, target):
-    """llama.cpp's IQ2_XS and IQ2_M file types: refused without an importance matrix; with one, the types of
+    """llama.cpp's IQ2_XXS, IQ2_XS and IQ2_M file types: refused without an importance matrix; with one, the types of
     ``llama_tensor_get_type_impl``'s IQ2 branch, and llama.cpp's perplexity of the file within 0.5% of our
     evaluator's on transformers' dequantization."""
     from gguf import GGUFReader
