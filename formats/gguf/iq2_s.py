@@ -20,9 +20,10 @@ from functools import cache
 
 import numpy as np
 
-from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, importance_weights, mean_square, nearest_int, safe_reciprocal
-from compress.formats.gguf.iq2_xs import XSGrid, level_codes
+from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, importance_weights, mean_square
+from compress.formats.gguf.iq2_xs import level_codes
 from compress.formats.gguf.iq3_s import Tables, block_fit, tables
+from compress.formats.gguf.lattice import HalfStepGrid, decoded, super_blocks
 from compress.formats.gguf.sizes import QK_K, GGMLType
 
 KIND = GGMLType.IQ2_S
@@ -51,25 +52,15 @@ def _weights(x: np.ndarray, qw: np.ndarray | None) -> np.ndarray:
     return importance_weights(x, qw.astype(F32, copy=False), sigma2)
 
 
-def fit(blocks: np.ndarray, qw: np.ndarray | None = None) -> tuple[XSGrid, np.ndarray, np.ndarray]:
+def fit(blocks: np.ndarray, qw: np.ndarray | None = None) -> tuple[HalfStepGrid, np.ndarray, np.ndarray]:
     """(grid, points ``[N, 32]``, negative ``[N, 256]``) of ggml's encoder; with ``qw`` its imatrix fit."""
-    n = blocks.shape[0]
     x = blocks.astype(F32, copy=False)
-    negative = ~(x >= 0)
     scales, points = block_fit(np.where(x >= 0, x, -x).reshape(-1, SUB), _weights(x, qw).reshape(-1, SUB), grid_tables(),
                                steps=9, tiny=TINY, resnap_all=False, base=5, increment=0.1)
-    negative = negative ^ (scales < 0).reshape(n, -1).repeat(SUB, axis=1)  # never seen; ggml flips the block's signs
-    scales = np.abs(scales).reshape(n, QK_K // SUB)
-    top = scales.max(axis=1, initial=F32(0))
-    d = (top / F32(31)).astype(F32)
-    sc = np.clip(nearest_int(F32(0.5) * (safe_reciprocal(d)[:, None] * scales - F32(1))), 0, 15).astype(np.uint8)
-    empty = scales == 0  # ggml leaves an empty block's entries zero: neither points nor signs
-    points = np.where(np.repeat(empty, SUB // 8, axis=1), 0, points.reshape(n, -1))
-    grid = XSGrid((d * F32(0.9875))[:, None], np.where(top[:, None] > 0, sc, 0).astype(np.uint8))
-    return grid, points, negative & ~np.repeat(empty, SUB, axis=1)
+    return super_blocks(scales, points, ~(x >= 0), 0.9875, 0.25)
 
 
-def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> XSGrid:
+def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> HalfStepGrid:
     """The grid of `fit`, for points and signs chosen elsewhere (GPTQ)."""
     return fit(blocks, qw)[0]
 
@@ -79,7 +70,7 @@ def codebook() -> np.ndarray:
     return grid_values()
 
 
-def pack(grid: XSGrid, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
+def pack(grid: HalfStepGrid, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
     """Bytes of ``[N, 32]`` grid points and ``[N, 256]`` signs on ``grid``."""
     n = points.shape[0]
     signs = (negative.reshape(n, 32, 8).astype(np.uint8) << np.arange(8, dtype=np.uint8)).sum(axis=2, dtype=np.uint8)
@@ -100,13 +91,9 @@ def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray |
 
 def decode(data: np.ndarray) -> np.ndarray:
     n = data.shape[0]
-    d = fp16_field(data, 0)  # [N, 1]
     high = (data[:, 66:74, None] >> (2 * np.arange(4, dtype=np.uint8))) & 3  # [N, 8, 4]
     index = data[:, 2:34].astype(np.int32) | (high.reshape(n, 32).astype(np.int32) << 8)
     negative = ((data[:, 34:66, None] >> np.arange(8, dtype=np.uint8)) & 1).astype(bool)  # [N, 32, 8]
     raw = data[:, 74:82]
-    sc = np.stack([raw & 15, raw >> 4], axis=2).reshape(n, QK_K // SUB)
-    db = (d * (F32(0.5) + sc.astype(F32))) * F32(0.25)  # [N, 16]
-    values = grid_values()[index].reshape(n, QK_K // SUB, SUB)
-    signed = np.where(negative.reshape(n, QK_K // SUB, SUB), F32(-1), F32(1))
-    return ((db[..., None] * values) * signed).reshape(n, QK_K)
+    grid = HalfStepGrid(fp16_field(data, 0), np.stack([raw & 15, raw >> 4], axis=2).reshape(n, QK_K // SUB), 0.25)
+    return decoded(grid, grid_values()[index].reshape(n, QK_K // SUB, SUB), negative.reshape(n, QK_K // SUB, SUB))

@@ -17,14 +17,13 @@ all zero bytes. Shapes: ``[N, 256]`` <-> ``[N, 74]`` uint8. GPTQ writes its own 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 
-from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, fp16_round, importance_weights, mean_square, nearest_int, safe_reciprocal
+from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, importance_weights, mean_square
 from compress.formats.gguf.iq3_s import Tables, block_fit, tables
-from compress.formats.gguf.iq3_xxs import parity_signs
+from compress.formats.gguf.lattice import HalfStepGrid, decoded, parity_negative, parity_signs, super_blocks
 from compress.formats.gguf.sizes import QK_K, GGMLType
 
 KIND = GGMLType.IQ2_XS
@@ -55,38 +54,17 @@ def grid_tables() -> Tables:
     return tables(level_codes(grid_values()), 2, group=8, bits=2, max_level=2)
 
 
-@dataclass(frozen=True)
-class XSGrid:
-    """``d`` ``[N, 1]`` before the float16 store and the 4-bit block scales ``sc`` ``[N, 16]``."""
-
-    d: np.ndarray
-    sc: np.ndarray
-
-    def scale(self) -> np.ndarray:
-        """Per block ``d·(0.5 + sc)·0.25`` ``[N, 16]``, as the decoder computes it (with the stored d)."""
-        return (fp16_round(self.d) * (F32(0.5) + self.sc.astype(F32))) * F32(0.25)
-
-
-def fit(blocks: np.ndarray, qw: np.ndarray) -> tuple[XSGrid, np.ndarray, np.ndarray]:
+def fit(blocks: np.ndarray, qw: np.ndarray) -> tuple[HalfStepGrid, np.ndarray, np.ndarray]:
     """(grid, points ``[N, 32]``, negative ``[N, 256]``) of ggml's importance-weighted encoder."""
-    n = blocks.shape[0]
     x = blocks.astype(F32, copy=False)
     w = importance_weights(x, qw.astype(F32, copy=False), mean_square(x))
     negative, xval = parity_signs(x, w)
     scales, points = block_fit(xval.reshape(-1, SUB), w.reshape(-1, SUB), grid_tables(), steps=9, tiny=TINY,
                                resnap_all=False, base=5, increment=0.1)
-    flipped = (scales < 0).reshape(n, -1)  # never seen; ggml guards it by flipping the block's signs
-    negative = negative ^ flipped.repeat(SUB, axis=1)
-    scales = np.abs(scales).reshape(n, QK_K // SUB)
-    top = scales.max(axis=1, initial=F32(0))
-    d = (top / F32(31)).astype(F32)
-    sc = np.clip(nearest_int(F32(0.5) * (safe_reciprocal(d)[:, None] * scales - F32(1))), 0, 15).astype(np.uint8)
-    empty = scales == 0  # ggml leaves an empty block's entries zero: neither points nor signs
-    points = np.where(np.repeat(empty, SUB // 8, axis=1), 0, points.reshape(n, -1))
-    return XSGrid(d[:, None], np.where(top[:, None] > 0, sc, 0).astype(np.uint8)), points, negative & ~np.repeat(empty, SUB, axis=1)
+    return super_blocks(scales, points, negative, 1.0, 0.25)
 
 
-def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> XSGrid:
+def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> HalfStepGrid:
     """The grid of `fit`, for points and signs chosen elsewhere (GPTQ); without ``qw`` a uniform importance
     (ggml has no unweighted fit)."""
     return fit(blocks, np.ones_like(blocks, dtype=F32) if qw is None else qw)[0]
@@ -97,7 +75,7 @@ def codebook() -> np.ndarray:
     return grid_values()
 
 
-def pack(grid: XSGrid, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
+def pack(grid: HalfStepGrid, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
     """Bytes of ``[N, 32]`` grid points and ``[N, 256]`` signs (each 8 with even parity) on ``grid``."""
     d, sc = grid.d, grid.sc
     n = points.shape[0]
@@ -118,16 +96,8 @@ def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray |
 
 def decode(data: np.ndarray) -> np.ndarray:
     n = data.shape[0]
-    d = fp16_field(data, 0)  # [N, 1]
     qs = np.ascontiguousarray(data[:, 2:66]).view("<u2").astype(np.uint32)  # [N, 32]
-    low7 = qs >> 9
-    parity = np.zeros_like(low7)
-    for i in range(7):
-        parity ^= (low7 >> i) & 1
-    negative = (((low7 | (parity << 7))[..., None] >> np.arange(8, dtype=np.uint32)) & 1).astype(bool)  # [N, 32, 8]
     raw = data[:, 66:74]
-    sc = np.stack([raw & 15, raw >> 4], axis=2).reshape(n, QK_K // SUB)
-    db = (d * (F32(0.5) + sc.astype(F32))) * F32(0.25)  # [N, 16]
+    grid = HalfStepGrid(fp16_field(data, 0), np.stack([raw & 15, raw >> 4], axis=2).reshape(n, QK_K // SUB), 0.25)
     values = grid_values()[qs & 511].reshape(n, QK_K // SUB, SUB)
-    signed = np.where(negative.reshape(n, QK_K // SUB, SUB), F32(-1), F32(1))
-    return ((db[..., None] * values) * signed).reshape(n, QK_K)
+    return decoded(grid, values, parity_negative(qs >> 9).reshape(n, QK_K // SUB, SUB))

@@ -21,13 +21,11 @@ from functools import cache
 
 import numpy as np
 
-from compress.formats.gguf._common import (
-    F32, GROUP_MAX_EPS, fp16_bytes, fp16_field, importance_weights, make_qp_quants, mean_square, nearest_int, safe_reciprocal,
-)
-from compress.formats.gguf.iq2_xs import XSGrid, level_codes
+from compress.formats.gguf._common import F32, GROUP_MAX_EPS, fp16_bytes, fp16_field, importance_weights, make_qp_quants, mean_square
+from compress.formats.gguf.iq2_xs import level_codes
 from compress.formats.gguf.iq3_s import Tables, block_fit, tables
-from compress.formats.gguf.iq3_xxs import parity_signs
-from compress.formats.gguf.sizes import QK_K, GGMLType
+from compress.formats.gguf.lattice import HalfStepGrid, decoded, parity_negative, parity_signs, super_blocks
+from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.IQ2_XXS
 NEEDS_IMPORTANCE = True  # ggml asserts on a missing importance matrix (``quantize_row_iq2_xxs_impl``)
@@ -50,9 +48,8 @@ def grid_tables() -> Tables:
     return tables(level_codes(grid_values()), 2, group=8, bits=2, max_level=2)
 
 
-def fit(blocks: np.ndarray, qw: np.ndarray) -> tuple[XSGrid, np.ndarray, np.ndarray]:
+def fit(blocks: np.ndarray, qw: np.ndarray) -> tuple[HalfStepGrid, np.ndarray, np.ndarray]:
     """(grid, points ``[N, 32]``, negative ``[N, 256]``) of ggml's importance-weighted encoder."""
-    n = blocks.shape[0]
     x = blocks.astype(F32, copy=False)
     w = importance_weights(x, qw.astype(F32, copy=False), mean_square(x))
     negative, xval = parity_signs(x, w)
@@ -62,18 +59,10 @@ def fit(blocks: np.ndarray, qw: np.ndarray) -> tuple[XSGrid, np.ndarray, np.ndar
     empty = (xb.max(axis=1) < GROUP_MAX_EPS) | (eff_max <= 0)
     scales, points = block_fit(xb, wb, grid_tables(), steps=6, base=5, increment=0.1, top=np.where(empty, F32(0), eff_max),
                                scale0=first, resnap_always=True)
-    negative = negative ^ (scales < 0).reshape(n, -1).repeat(SUB, axis=1)  # never seen; ggml flips the block's signs
-    scales = np.abs(scales).reshape(n, QK_K // SUB)
-    top = scales.max(axis=1, initial=F32(0))
-    d = (top / F32(31)).astype(F32)
-    sc = np.clip(nearest_int(F32(0.5) * (safe_reciprocal(d)[:, None] * scales - F32(1))), 0, 15).astype(np.uint8)
-    blank = scales == 0  # ggml leaves an empty block's entries zero: neither points nor signs
-    points = np.where(np.repeat(blank, SUB // 8, axis=1), 0, points.reshape(n, -1))
-    grid = XSGrid(d[:, None], np.where(top[:, None] > 0, sc, 0).astype(np.uint8))
-    return grid, points, negative & ~np.repeat(blank, SUB, axis=1)
+    return super_blocks(scales, points, negative, 1.0, 0.25)
 
 
-def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> XSGrid:
+def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> HalfStepGrid:
     """The grid of `fit`, for points and signs chosen elsewhere (GPTQ); without ``qw`` a uniform importance
     (ggml has no unweighted fit)."""
     return fit(blocks, np.ones_like(blocks, dtype=F32) if qw is None else qw)[0]
@@ -84,7 +73,7 @@ def codebook() -> np.ndarray:
     return grid_values()
 
 
-def pack(grid: XSGrid, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
+def pack(grid: HalfStepGrid, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
     """Bytes of ``[N, 32]`` grid points and ``[N, 256]`` signs (each 8 with even parity) on ``grid``."""
     n = points.shape[0]
     bits = negative.reshape(n, 8, 4, 8)[..., :7].astype(np.uint32) << np.arange(7, dtype=np.uint32)
@@ -105,16 +94,8 @@ def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray |
 
 def decode(data: np.ndarray) -> np.ndarray:
     n = data.shape[0]
-    d = fp16_field(data, 0)  # [N, 1]
     pairs = data[:, 2:66].reshape(n, 8, 8)
-    index = pairs[:, :, :4].astype(np.int64)  # [N, 8, 4]
     words = np.ascontiguousarray(pairs[:, :, 4:]).view("<u4").reshape(n, 8).astype(np.uint32)
-    low7 = (words[..., None] >> (7 * np.arange(4, dtype=np.uint32))) & 127  # [N, 8, 4]
-    parity = np.zeros_like(low7)
-    for i in range(7):
-        parity ^= (low7 >> i) & 1
-    negative = (((low7 | (parity << 7))[..., None] >> np.arange(8, dtype=np.uint32)) & 1).astype(bool)  # [N, 8, 4, 8]
-    db = (d * (F32(0.5) + (words >> 28).astype(F32))) * F32(0.25)  # [N, 8]
-    values = grid_values()[index].reshape(n, 8, SUB)
-    signed = np.where(negative.reshape(n, 8, SUB), F32(-1), F32(1))
-    return ((db[..., None] * values) * signed).reshape(n, QK_K)
+    negative = parity_negative((words[..., None] >> (7 * np.arange(4, dtype=np.uint32))) & 127)  # [N, 8, 4, 8]
+    values = grid_values()[pairs[:, :, :4].astype(np.int64)].reshape(n, 8, SUB)
+    return decoded(HalfStepGrid(fp16_field(data, 0), words >> 28, 0.25), values, negative.reshape(n, 8, SUB))

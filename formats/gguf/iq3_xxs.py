@@ -17,31 +17,19 @@ whose fitted scale comes out negative flips all its signs. ``d = max/31`` is sto
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
 
-from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, fp16_round, nearest_int, safe_reciprocal
+from compress.formats.gguf._common import F32, fp16_bytes, fp16_field
 from compress.formats.gguf.iq3_s import SUB, Tables, block_fit, tables
+from compress.formats.gguf.lattice import HalfStepGrid, decoded, parity_negative, parity_signs, super_blocks
 from compress.formats.gguf.iq4_nl import error_weights
-from compress.formats.gguf.sizes import QK_K, GGMLType
+from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.IQ3_XXS
 TINY = 1e-8  # ggml's GROUP_MAX_EPS_IQ3_XXS
 SIGN_PARITY = 8  # signs come in groups of 8 with an even number of negatives
-
-
-@dataclass(frozen=True)
-class XXSGrid:
-    """``d`` ``[N, 1]`` before the float16 store (×1.0125 included) and the 4-bit block scales ``sc`` ``[N, 8]``."""
-
-    d: np.ndarray
-    sc: np.ndarray
-
-    def scale(self) -> np.ndarray:
-        """Per block ``d·(0.5 + sc)·0.5`` ``[N, 8]``, as the decoder computes it (with the stored d)."""
-        return (fp16_round(self.d) * (F32(0.5) + self.sc.astype(F32))) * F32(0.5)
 
 
 @cache
@@ -59,39 +47,17 @@ def grid_tables() -> Tables:
     return tables(tuple(int(c) for c in (levels << (3 * np.arange(4))).sum(axis=1)), 2)
 
 
-def parity_signs(x: np.ndarray, w: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(negative ``[N, 256]`` with even parity per 8, the magnitudes to fit ``[N, 256]``)."""
-    negative = ~(x >= 0)
-    groups = negative.reshape(-1, 8)
-    odd = groups.sum(axis=1) % 2 == 1
-    least = np.argmin((w * x * x).reshape(-1, 8), axis=1)  # the first minimum, as ggml's strict <
-    flip = np.zeros_like(groups)
-    flip[np.flatnonzero(odd), least[odd]] = True
-    flip = flip.reshape(x.shape)
-    xval = np.where(x >= 0, x, -x).astype(F32)
-    return negative ^ flip, np.where(flip, -xval, xval)
-
-
-def fit(blocks: np.ndarray, qw: np.ndarray | None = None) -> tuple[XXSGrid, np.ndarray, np.ndarray]:
+def fit(blocks: np.ndarray, qw: np.ndarray | None = None) -> tuple[HalfStepGrid, np.ndarray, np.ndarray]:
     """(grid, points ``[N, 64]``, negative ``[N, 256]``) of ggml's encoder; with ``qw`` its imatrix fit."""
-    n = blocks.shape[0]
     x = blocks.astype(F32, copy=False)
     w = error_weights(x, qw)
     negative, xval = parity_signs(x, w)
     scales, points = block_fit(xval.reshape(-1, SUB), w.reshape(-1, SUB), grid_tables(), steps=15, tiny=TINY,
                                resnap_all=False)
-    flipped = (scales < 0).reshape(n, -1)  # never seen; ggml guards it by flipping the block's signs
-    negative = negative ^ flipped.repeat(SUB, axis=1)
-    scales = np.abs(scales).reshape(n, QK_K // SUB)
-    top = scales.max(axis=1, initial=F32(0))
-    d = (top / F32(31)).astype(F32)
-    sc = np.clip(nearest_int(F32(0.5) * (safe_reciprocal(d)[:, None] * scales - F32(1))), 0, 15).astype(np.uint32)
-    empty = np.repeat(scales == 0, SUB, axis=1)  # ggml writes neither points nor signs for an empty block
-    points = np.where(np.repeat(scales == 0, SUB // 4, axis=1), 0, points.reshape(n, -1))
-    return XXSGrid((d * F32(1.0125))[:, None], np.where(top[:, None] > 0, sc, 0)), points, negative & ~empty
+    return super_blocks(scales, points, negative, 1.0125, 0.5)
 
 
-def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> XXSGrid:
+def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> HalfStepGrid:
     """The grid of `fit`, for points and signs chosen elsewhere (GPTQ)."""
     return fit(blocks, qw)[0]
 
@@ -101,7 +67,7 @@ def codebook() -> np.ndarray:
     return grid_values().astype(F32)
 
 
-def pack(grid: XXSGrid, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
+def pack(grid: HalfStepGrid, points: np.ndarray, negative: np.ndarray) -> np.ndarray:
     """Bytes of ``[N, 64]`` grid points and ``[N, 256]`` signs (each 8 with even parity) on ``grid``."""
     d, sc = grid.d, grid.sc.astype(np.uint32)
     n = points.shape[0]
@@ -122,15 +88,8 @@ def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray |
 
 def decode(data: np.ndarray) -> np.ndarray:
     n = data.shape[0]
-    d = fp16_field(data, 0)  # [N, 1]
     words = np.ascontiguousarray(data[:, 66:98]).view("<u4").astype(np.uint32)  # [N, 8]
-    low7 = (words[..., None] >> (7 * np.arange(4, dtype=np.uint32))) & 127  # [N, 8, 4]
-    parity = np.zeros_like(low7)
-    for i in range(7):
-        parity ^= (low7 >> i) & 1
-    signs = low7 | (parity << 7)
-    negative = ((signs[..., None] >> np.arange(8, dtype=np.uint32)) & 1).astype(bool)  # [N, 8, 4, 8]
-    db = (d * (F32(0.5) + (words >> 28).astype(F32))) * F32(0.5)  # [N, 8]
+    negative = parity_negative((words[..., None] >> (7 * np.arange(4, dtype=np.uint32))) & 127)  # [N, 8, 4, 8]
+    grid = HalfStepGrid(fp16_field(data, 0), words >> 28, 0.5)
     values = grid_values()[data[:, 2:66]].astype(F32).reshape(n, 8, SUB)
-    signed = np.where(negative.reshape(n, 8, SUB), F32(-1), F32(1))
-    return ((db[..., None] * values) * signed).reshape(n, QK_K)
+    return decoded(grid, values, negative.reshape(n, 8, SUB))
