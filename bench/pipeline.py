@@ -36,11 +36,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 ANCHOR_VENV = Path.home() / ".cache" / "llm-compress" / "llmcompressor-0.14"
-METHODS = {  # ours: recipe stage; llm-compressor: modifier and scheme (see bench/anchors/llmcompressor_oneshot.py)
-    "gptq": lambda a: {"method": "gptq", "bits": a.bits, "group_size": a.group_size, "act_order": a.act_order},
+# ours: recipe stage; llm-compressor: modifier and scheme (see bench/anchors/llmcompressor_oneshot.py). GPTQ with
+# min-max grids on both sides (llm-compressor's default observer; ours searches the clipping by default).
+METHODS = {
+    "gptq": lambda a: {"method": "gptq", "bits": a.bits, "group_size": a.group_size, "act_order": a.act_order, "mse": False},
     "rtn": lambda a: {"method": "rtn", "bits": a.bits, "group_size": a.group_size},
     "awq": lambda a: {"method": "awq", "bits": a.bits, "group_size": a.group_size, "symmetric": False},
-    "w8a8": lambda a: [{"method": "smoothquant"}, {"method": "gptq", "scheme": "w8a8-int8"}],
+    "w8a8": lambda a: [{"method": "smoothquant"}, {"method": "gptq", "scheme": "w8a8-int8", "mse": False}],
 }
 
 

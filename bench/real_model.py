@@ -42,15 +42,15 @@ PRUNING = {f"{m} {label}": [{"method": m, **spec}] for m in ("magnitude", "wanda
 DEFAULTS = {
     "gptq (default)": _quant("gptq", 4, 64),
     "gptq act_order=false": _quant("gptq", 4, 64, act_order=False),
-    "gptq mse=true": _quant("gptq", 4, 64, mse=True),
+    "gptq mse=false": _quant("gptq", 4, 64, mse=False),
     "gptq damp=0.1": _quant("gptq", 4, 64, damp=0.1),
     "gptq damp=0.001": _quant("gptq", 4, 64, damp=0.001),
     "awq (default)": _quant("awq", 4, 64),
     "awq duo_scaling=true": _quant("awq", 4, 64, duo_scaling=True),
-    "smoothquant alpha=0.5 (default)": [{"method": "smoothquant"}],
+    "smoothquant alpha=0.8 (default)": [{"method": "smoothquant"}],
     "smoothquant alpha=0.3": [{"method": "smoothquant", "alpha": 0.3}],
+    "smoothquant alpha=0.5": [{"method": "smoothquant", "alpha": 0.5}],
     "smoothquant alpha=0.7": [{"method": "smoothquant", "alpha": 0.7}],
-    "smoothquant alpha=0.8": [{"method": "smoothquant", "alpha": 0.8}],
     **{f"smoothquant tensor alpha={a}": [{"method": "smoothquant", "activations": "tensor", "alpha": a}] for a in (0.5, 0.7, 0.8)},
 }
 GROUPS = {"quant": QUANT, "smoothquant": SMOOTHQUANT, "pruning": PRUNING, "defaults": DEFAULTS}
@@ -106,7 +106,7 @@ def main() -> None:
     protocol = Protocol(args.text, ctx=args.ctx, max_tokens=args.max_tokens)
     print(f"model {args.model}; calibration {args.calib.name} {args.samples}x{args.seq_len} seeds {seeds}; "
           f"text {args.text.name} ctx {args.ctx} max {args.max_tokens} tokens; {args.threads} threads", flush=True)
-    print(f"{'row':<34}{'seed':>5}{'ppl':>10}{'ref ppl':>9}{'mean KLD':>10}{'sparsity':>9}{'wall s':>8}{'RSS GB':>8}",
+    print(f"{'row':<34}{'seed':>5}{'ppl':>11}{'ref ppl':>11}{'mean KLD':>10}{'sparsity':>9}{'wall s':>8}{'RSS GB':>8}",
           flush=True)
     results = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -121,7 +121,7 @@ def main() -> None:
                                 "ref_perplexity": report.baseline.perplexity, "kld": row.kld,
                                 "sparsity": row.sparsity, "seconds": round(seconds, 1), "peak_rss_gb": round(rss, 3)})
                 sparsity = f"{row.sparsity:.3f}" if row.sparsity else "-"
-                print(f"{label:<34}{seed:>5}{row.perplexity:>10.4g}{report.baseline.perplexity:>9.4g}{row.kld:>10.5f}"
+                print(f"{label:<34}{seed:>5}{row.perplexity:>11.4g}{report.baseline.perplexity:>11.4g}{row.kld:>10.5f}"
                       f"{sparsity:>9}{seconds:>8.1f}{rss:>8.2f}", flush=True)
                 shutil.rmtree(out)
     if len(seeds) > 1:

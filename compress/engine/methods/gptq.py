@@ -5,7 +5,7 @@ from __future__ import annotations
 from pydantic import Field, model_validator
 
 from compress.engine.methods.base import HessianMethod, LayerOutcome, SolverConfig
-from compress.engine.methods.rtn import GridQuantConfig, InputQuantization
+from compress.engine.methods.rtn import GridQuantConfig, InputQuantization, WeightGrid
 from compress.engine.statistics import Stat
 from compress.quantizers.gptq import GPTQConfig, gptq
 from compress.engine.registry import register_method
@@ -14,13 +14,17 @@ from compress.engine.registry import register_method
 class GPTQMethodConfig(GridQuantConfig, SolverConfig):
     # on by default, as llm-compressor's static act-order: lower KLD on every setting measured (README, GPTQ defaults)
     act_order: bool = Field(True, description="process columns by decreasing Hessian diagonal (static groups)")
-    mse: bool = Field(False, description="search each group's clipping range for the lowest weight error")
+    # None: on for integer grids (lower KLD on every seed of the reference model and SmolLM2, README), off for float grids
+    mse: bool | None = Field(None, description="search each group's clipping range for the lowest weight error (default: on for int grids)")
 
     @model_validator(mode="after")
     def _mse_per_row(self):
         if self.mse and self.block_rows != 1:
             raise ValueError("mse chooses each row's clipping, which a scale shared by a block of rows cannot keep: drop mse")
         return self
+
+    def clipping_search(self) -> bool:
+        return self.grid is WeightGrid.INT if self.mse is None else self.mse
 
 
 @register_method("gptq")
@@ -43,6 +47,6 @@ class GPTQ(InputQuantization, HessianMethod):
 
     def transform_layer(self, name, weight, stats) -> LayerOutcome:
         cfg = self.config
-        config = GPTQConfig(cfg.scheme(), block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order, mse=cfg.mse)
+        config = GPTQConfig(cfg.scheme(), block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order, mse=cfg.clipping_search())
         outcome = self.solve(name, gptq, weight, stats, config, ("error", "rel_error", "damp", "damp_retries", "dead_columns"))
         return self.with_inputs(name, outcome, stats)
