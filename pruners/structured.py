@@ -112,8 +112,8 @@ def target_geometry(g: Geometry, targets: Mapping[str, float], hidden_per_head: 
     heads = sizes["heads"] * g.heads_per_group
     if hidden_per_head and sizes["hidden"] % heads:
         fit = sizes["hidden"] // heads * heads
-        raise ValueError(f"hidden={targets['hidden']} keeps {sizes['hidden']} channels, not a multiple of the {heads} "
-                         f"attention heads kept, which this architecture's config requires: keep {fit or heads} instead")
+        raise ValueError(f"a hidden size of {sizes['hidden']} is not a multiple of the {heads} attention heads kept, which "
+                         f"this architecture's config requires: set hidden={fit or heads}, or keep other heads")
     return replace(g, layers=sizes["layers"], kv_heads=sizes["heads"], heads=heads, mlp=sizes["mlp"], hidden=sizes["hidden"])
 
 

@@ -9,7 +9,8 @@ Objective: as `compress.quantizers.gptq`, ``min ‖WX − QX‖² = (n/2)·tr((W
 super-block's float16 ``d``/``dmin`` with 6-bit (or 4-bit) sub-block scales and mins, and integer codes;
 for IQ4_NL/IQ4_XS the codes index a non-uniform codebook (``grids.BlockGrid.levels``); the lattice types code a
 group of weights by one codebook point (``grids.LatticeGrid``): IQ3_S 4 weights of a 512-point grid with free
-signs, IQ3_XXS 4 of 256 and IQ2_XS 8 of 512 with the signs of each 8 of even parity.
+signs, IQ2_S 8 of 1024 with free signs, IQ3_XXS 4 of 256, IQ2_XXS 8 of 256 and IQ2_XS 8 of 512 with the signs of
+each 8 of even parity.
 
 Procedure: columns are quantized in order with GPTQ's Cholesky error feedback and lazy batches (the
 batch is a whole number of blocks). When a block's first column is reached, its grid is fitted by the

@@ -39,7 +39,7 @@ def _usable_cpus() -> int:
 
 
 def needs_importance(kind: GGMLType) -> bool:
-    """True for the types ggml encodes only with an importance matrix (IQ2_XS)."""
+    """True for the types ggml encodes only with an importance matrix (IQ2_XXS, IQ2_XS)."""
     return getattr(CODECS.get(kind), "NEEDS_IMPORTANCE", False)
 
 

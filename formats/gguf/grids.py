@@ -11,10 +11,10 @@ stores; ``step``/``offset`` are read off the decoder (affine: at codes 0 and 1; 
 whose level is 1), so no type's algebra is repeated here. `pack` writes those grids with codes chosen
 elsewhere (GPTQ's error-feedback rounding, `compress.quantizers.gguf_gptq`).
 
-The lattice types (IQ3_S, IQ3_XXS, IQ2_XS) code a group of weights at once: `LatticeGrid` holds each
+The lattice types (IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S) code a group of 4 or 8 weights at once: `LatticeGrid` holds each
 weight's step and the codec's ``codebook()`` of points (magnitudes, ``[P, group]``); a group decodes to
-``step·point·(±1)``, each weight's sign free (IQ3_S) or, in groups of ``parity``, with an even number of
-negatives (IQ3_XXS, IQ2_XS). `fit` returns one for them and `pack_lattice` writes chosen points.
+``step·point·(±1)``, each weight's sign free (IQ3_S, IQ2_S) or, in groups of ``parity``, with an even number of
+negatives (IQ3_XXS, IQ2_XXS, IQ2_XS). `fit` returns one for them and `pack_lattice` writes chosen points.
 
 Shapes: blocks ``[N, B]`` float32; ``step``/``offset`` ``[N, B]``; codes ``[N, B]`` integers.
 """
@@ -70,7 +70,7 @@ class LatticeGrid:
     grid: Any  # the codec's own grid object
     step: np.ndarray  # [N, B]: each weight's scale (0: the block decodes to 0 whatever the point)
     points: np.ndarray  # [P, group] float32: the codebook's magnitudes
-    parity: int = 0  # signs in groups of this many with an even number of negatives (IQ3_XXS, IQ2_XS); 0: free
+    parity: int = 0  # signs in groups of this many with an even number of negatives (IQ3_XXS, IQ2_XXS, IQ2_XS); 0: free
 
     @property
     def group(self) -> int:

@@ -27,7 +27,7 @@ llama.cpp's ``llama-quantize --pure``. Mixed presets follow ``llama_tensor_get_t
 
 Either way a type whose block does not divide the row length falls back as llama.cpp's
 ``tensor_type_fallback`` does (Q2_K/Q3_K -> Q4_0, Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS,
-IQ3_S, IQ3_XXS, IQ2_XS and IQ2_S -> IQ4_NL, then F16).
+IQ3_S, IQ3_XXS and the IQ2 types -> IQ4_NL, then F16).
 1-D tensors (norms, biases), GPT-2's position embeddings and MoE routers (``ffn_gate_inp``) are always F32;
 a matrix of one row (Qwen2-MoE's ``ffn_gate_inp_shexp``), 1-D to ggml, stays F16 as llama-quantize leaves it.
 MoE experts are stacked per block and role (``ffn_{gate,up,down}_exps``, ``[n_expert, out, in]``) and follow

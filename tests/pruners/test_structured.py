@@ -34,6 +34,18 @@ def test_bad_targets(targets, needle):
         target_geometry(G, targets)
 
 
+def test_hidden_per_head_keeps_the_hidden_size_a_multiple_of_the_heads_kept():
+    """LlamaConfig's rule: 3 heads of width 3 over a hidden size of 9; keeping 2 heads leaves 9 channels, which
+    2 heads do not divide (allowed where the config does not check), and hidden=7 divides by neither."""
+    g = Geometry(layers=1, heads=3, kv_heads=3, head_dim=3, mlp=8, hidden=9)
+    assert target_geometry(g, {"heads": 2}).heads == 2
+    with pytest.raises(ValueError, match="hidden size of 9 is not a multiple of the 2 attention heads kept.*hidden=8"):
+        target_geometry(g, {"heads": 2}, hidden_per_head=True)
+    with pytest.raises(ValueError, match="hidden size of 7 is not a multiple of the 3 .*hidden=6"):
+        target_geometry(g, {"hidden": 7}, hidden_per_head=True)
+    assert target_geometry(g, {"heads": 1, "hidden": 6}, hidden_per_head=True).hidden == 6
+
+
 def test_top_indices_keeps_highest_and_breaks_ties_by_index():
     assert top_indices(torch.tensor([0.1, 0.5, 0.5, 0.0, 0.9]), 3) == (1, 2, 4)
     assert top_indices(torch.tensor([1.0, 1.0, 1.0]), 2) == (0, 1)

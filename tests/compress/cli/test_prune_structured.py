@@ -73,7 +73,7 @@ def test_pruning_zeroed_structures_keeps_the_logits(tmp_path, tiny_tokenizer):
     (["--structured", "mlp=1.5"], "neither a fraction"),
     (["--structured", "heads=3"], "not a multiple of the 2 query heads per KV group"),
     (["--structured", "heads=0.2"], "removes none of 2 KV groups"),
-    (["--structured", "hidden=30"], "not a multiple of the 4 attention heads kept"),
+    (["--structured", "hidden=30"], "hidden size of 30 is not a multiple of the 4 attention heads kept"),
     (["--structured", "layers=3"], "keeps 3 of 2"),
     (["--structured", "mlp=0.5", "--sparsity", "0.5"], "--sparsity is for unstructured"),
     (["--target-params", "1G"], "is not below the model's"),
