@@ -163,7 +163,7 @@ def test_i_quant_file_is_llama_quantize_output(tmp_path, tiny_tokenizer, llama_c
                                num_attention_heads=4, num_key_value_heads=1)
     model = save_random_model(config, tmp_path / "model", tiny_tokenizer, seed=3, dtype=torch.float16)
     types = assert_llama_quantize_writes_ours(model, tmp_path, target, ftype, pure=pure)
-    if target in (Target.iq3_s, Target.iq3_xxs):
+    if target == Target.iq3_s:
         assert set(types[k] for k in types if not k.endswith("norm.weight")) == {target.value.upper()}
         return
     if target == Target.iq3_m:  # llama.cpp's IQ3_M: Q4_K for attn_v, attn_output and the first n/8 ffn_down
@@ -186,22 +186,8 @@ def reference_imatrix(tmp_path_factory) -> Path:
     return imatrix
 
 
-def test_iq3_xxs_needs_an_imatrix_and_llama_cpp_agrees(reference_imatrix, eval_ids, tmp_path):
-    """IQ3_XXS without an importance matrix is refused as llama-quantize refuses it; with one, llama.cpp's
-    perplexity of the file is within 0.5% of our evaluator's on transformers' dequantization."""
-    from references import one_line_error
-
-    plain = tmp_path / "plain.gguf"
-    assert "needs an importance matrix" in one_line_error(export_gguf, ExportConfig(REFERENCE_MODEL, plain, Target.iq3_xxs))
-    assert not plain.exists()
-    path = tmp_path / "iq3_xxs.gguf"
-    export_gguf(ExportConfig(REFERENCE_MODEL, path, Target.iq3_xxs, imatrix=reference_imatrix))
-    ours = evaluate(transformers_model(path), torch.tensor(eval_ids), ctx=512).perplexity
-    theirs = llamacpp_perplexity(path, eval_ids, ctx=512)
-    assert abs(theirs / ours - 1) < 0.005, (theirs, ours)
-
-
-IQ2_TYPES = {  # llama_tensor_get_type_impl's IQ2 branch on the reference model (n_gqa 2, 4 blocks: n/8 = 0, untied)
+NEEDS_IMATRIX_TYPES = {  # pure IQ3_XXS, and llama_tensor_get_type_impl's IQ2 branch on the reference model (n_gqa 2, 4 blocks: n/8 = 0, untied)
+    Target.iq3_xxs: {"token_embd": "IQ3_XXS", "output": "IQ3_XXS", "blk.0.attn_v": "IQ3_XXS", "blk.0.ffn_down": "IQ3_XXS"},
     Target.iq2_xxs: {"token_embd": "Q2_K", "output": "Q5_K", "blk.0.attn_v": "Q2_K", "blk.3.attn_output": "IQ2_XXS",
                      "blk.0.ffn_down": "IQ2_XXS", "blk.0.attn_q": "IQ2_XXS"},
     Target.iq2_xs: {"token_embd": "Q2_K", "output": "Q5_K", "blk.0.attn_v": "Q2_K", "blk.3.attn_output": "IQ2_XS",
@@ -211,11 +197,11 @@ IQ2_TYPES = {  # llama_tensor_get_type_impl's IQ2 branch on the reference model 
 }
 
 
-@pytest.mark.parametrize("target", list(IQ2_TYPES), ids=lambda t: t.value)
-def test_iq2_file_types_need_an_imatrix_follow_llama_cpps_rules_and_llama_cpp_agrees(reference_imatrix, eval_ids, tmp_path, target):
-    """llama.cpp's IQ2_XXS, IQ2_XS and IQ2_M file types: refused without an importance matrix; with one, the types of
-    ``llama_tensor_get_type_impl``'s IQ2 branch, and llama.cpp's perplexity of the file within 0.5% of our
-    evaluator's on transformers' dequantization."""
+@pytest.mark.parametrize("target", list(NEEDS_IMATRIX_TYPES), ids=lambda t: t.value)
+def test_types_that_need_an_imatrix_follow_llama_cpps_rules_and_llama_cpp_agrees(reference_imatrix, eval_ids, tmp_path, target):
+    """IQ3_XXS and llama.cpp's IQ2_XXS, IQ2_XS and IQ2_M file types: refused without an importance matrix, as
+    llama-quantize refuses them; with one, the types of ``llama_tensor_get_type_impl`` (its IQ2 branch), and
+    llama.cpp's perplexity of the file within 0.5% of our evaluator's on transformers' dequantization."""
     from gguf import GGUFReader
     from references import one_line_error
 
@@ -225,7 +211,7 @@ def test_iq2_file_types_need_an_imatrix_follow_llama_cpps_rules_and_llama_cpp_ag
     path = tmp_path / f"{target.value}.gguf"
     export_gguf(ExportConfig(REFERENCE_MODEL, path, target, imatrix=reference_imatrix))
     types = {t.name.removesuffix(".weight"): t.tensor_type.name for t in GGUFReader(str(path)).tensors}
-    assert {k: types[k] for k in IQ2_TYPES[target]} == IQ2_TYPES[target]
+    assert {k: types[k] for k in NEEDS_IMATRIX_TYPES[target]} == NEEDS_IMATRIX_TYPES[target]
     ours = evaluate(transformers_model(path), torch.tensor(eval_ids), ctx=512).perplexity
     theirs = llamacpp_perplexity(path, eval_ids, ctx=512)
     assert abs(theirs / ours - 1) < 0.005, (theirs, ours)
