@@ -36,7 +36,7 @@ import numpy as np
 import torch
 
 from compress.formats.gguf import grids
-from compress.formats.gguf.codecs import decode_tensor, encode_tensor, needs_importance
+from compress.formats.gguf.codecs import decode_tensor, encode_tensor, plain_importance
 from compress.formats.gguf.sizes import GGMLType
 from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, layer_errors, solver_inputs
 from compress.quantizers.threads import one_thread
@@ -181,8 +181,7 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
     data = np.concatenate(blocks, axis=1)
     Q = torch.from_numpy(decode_tensor(data, kind, cols))
     W0, H0 = weight.detach().cpu().float(), hessian.detach().cpu().float()
-    uniform = np.ones(cols, dtype=np.float32) if needs_importance(kind) else None  # no plain fit: a uniform importance
-    rtn = torch.from_numpy(decode_tensor(encode_tensor(W0.numpy(), kind, uniform), kind, cols))
+    rtn = torch.from_numpy(decode_tensor(encode_tensor(W0.numpy(), kind, plain_importance(kind, cols)), kind, cols))
     (error, rel_error), (_, rtn_rel_error) = layer_errors(W0, [Q, rtn], H0)
     stats = {
         "error": error, "rel_error": rel_error, "rtn_rel_error": rtn_rel_error,

@@ -273,6 +273,14 @@ def check_output(config: ExportConfig) -> None:
         raise CompressError(f"{config.output} exists: pass --overwrite to replace it, or choose another -o")
 
 
+def check_importance(entries, config: ExportConfig) -> None:
+    """A one-line error unless every tensor of a type llama-quantize writes only from an importance matrix gets one."""
+    unweighted = next((e for e in entries if plan.needs_imatrix(e.gguf, e.kind)), None) if not config.has_imatrix else None
+    if unweighted is not None:
+        raise CompressError(f"{unweighted.kind.name} ({unweighted.gguf}) needs an importance matrix, as llama-quantize requires: "
+                            "export with --method imatrix, gptq or awq-gptq (and --calib TEXT), or --imatrix FILE")
+
+
 def export_gguf(
     config: ExportConfig,
     progress: Callable[[str, int, int], None] | None = None,
@@ -293,10 +301,7 @@ def export_gguf(
     reader = open_model(config.model).reader  # config.json's sizes checked against the weights' shapes first
     entries = _tensor_plan(reader, hf, config.target, config.has_imatrix, config.types)
     imatrix = read_imatrix(config.imatrix) if config.imatrix is not None else None
-    unweighted = next((e for e in entries if plan.needs_imatrix(e.gguf, e.kind)), None) if not config.has_imatrix else None
-    if unweighted is not None:
-        raise CompressError(f"{unweighted.kind.name} ({unweighted.gguf}) needs an importance matrix, as llama-quantize requires: "
-                            "export with --method imatrix --calib TEXT, or --imatrix FILE")
+    check_importance(entries, config)
     if imatrix is not None and any(len(e.sources) > 1 for e in entries):
         raise CompressError("importance matrices of MoE experts are not supported yet: export with --method gptq or rtn")
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]

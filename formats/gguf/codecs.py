@@ -43,6 +43,12 @@ def needs_importance(kind: GGMLType) -> bool:
     return getattr(CODECS.get(kind), "NEEDS_IMPORTANCE", False)
 
 
+def plain_importance(kind: GGMLType, cols: int) -> np.ndarray | None:
+    """The importance of a plain (unweighted) encoding: None, or for the types ggml only encodes with one, a
+    uniform one (what a flat imatrix gives)."""
+    return np.ones(cols, dtype=np.float32) if needs_importance(kind) else None
+
+
 def _functions(kind: GGMLType):
     if kind == GGMLType.F32:
         return f16.encode_f32, f16.decode_f32

@@ -101,6 +101,23 @@ def test_awq_then_gptq_writes_the_solved_bytes_of_the_scaled_model(tmp_path, q3k
     assert scorer(out).kld < 0.85 * scorer(rtn).kld
 
 
+def test_awq_gptq_in_a_type_ggml_fits_only_with_an_importance_matrix(tmp_path):
+    """IQ2_XS (llama.cpp's file type): AWQ's search round-trips each layer through ggml's fit, which needs an
+    importance matrix; a flat one stands in, as for any plain encoding of such a type."""
+    out = tmp_path / "awq-gptq.gguf"
+    export_calibrated(ExportConfig(REFERENCE_MODEL, out, Target.iq2_xs), GGUFMethod.awq_gptq, CALIBRATION, awq=GGUFAWQMethodConfig(n_grid=3))
+    from gguf import GGUFReader
+
+    types = {t.name: t.tensor_type.name for t in GGUFReader(str(out)).tensors}
+    assert types["blk.0.attn_q.weight"] == "IQ2_XS" and types["blk.0.attn_v.weight"] == "Q2_K"
+    # AWQ alone ends in ggml's plain rounding, which IQ2_XS does not have: refused before any calibration
+    from references import one_line_error
+
+    plain = tmp_path / "awq.gguf"
+    message = one_line_error(export_calibrated, ExportConfig(REFERENCE_MODEL, plain, Target.iq2_xs), GGUFMethod.awq, CALIBRATION)
+    assert "needs an importance matrix" in message and "awq-gptq" in message and not plain.exists()
+
+
 def test_cli_gptq_export(tmp_path):
     from typer.testing import CliRunner
 
