@@ -36,7 +36,8 @@ import numpy as np
 import torch
 
 from compress.formats.gguf import grids
-from compress.formats.gguf.codecs import decode_tensor, encode_tensor, plain_importance
+from compress.formats.gguf.codecs import decode_tensor, round_trip
+from compress.formats.gguf.lattice import parity_signs
 from compress.formats.gguf.sizes import GGMLType
 from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, layer_errors, solver_inputs
 from compress.quantizers.threads import one_thread
@@ -92,22 +93,12 @@ def _round_block(W1t: torch.Tensor, Err1t: torch.Tensor, U1: torch.Tensor, b: in
     return codes.T.numpy()
 
 
-def _parity_signs(w: np.ndarray, omega: np.ndarray) -> np.ndarray:
-    """Negative ``[rows, n]`` for weights ``w`` with an even number per row: where odd, the weight of least
-    ``ω·w²`` (the first such, as ggml's ``weight·x²``) takes the other sign; it then fits a negated magnitude."""
-    negative = w < 0
-    odd = np.flatnonzero(negative.sum(axis=1) % 2 == 1)
-    least = np.argmin(omega * np.square(w[odd]), axis=1)
-    negative[odd, least] = ~negative[odd, least]
-    return negative
-
-
 def _round_lattice_block(W1t: torch.Tensor, Err1t: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.LatticeGrid):
     """`_round_block` for a lattice type: each group of ``grid.group`` columns is rounded jointly (every
     row's signs are its weights', its point the codebook entry nearest the signed ``w/step`` with each column's
     distance weighted by ``ω = 1/U_ii²``, GPTQ's weight of a column's error), then the group's columns feed their
     errors forward one by one. With parity-coupled signs the signs of each parity group are fixed when its first
-    column is reached (`_parity_signs`, from the columns as they are then). Returns (points ``[rows, B/group]``,
+    column is reached (`lattice.parity_signs` with ω as the weights, from the columns as they are then). Returns (points ``[rows, B/group]``,
     negative ``[rows, B]``)."""
     Wt, Et, U = W1t.numpy(), Err1t.numpy(), U1.numpy()  # the batch transposed, as in `_round_block`
     step, points = grid.step, grid.points
@@ -124,7 +115,8 @@ def _round_lattice_block(W1t: torch.Tensor, Err1t: torch.Tensor, U1: torch.Tenso
             negative[:, lo : lo + g] = w < 0
         elif lo % grid.parity == 0:
             span = slice(lo, lo + grid.parity)
-            negative[:, span] = _parity_signs(Wt[b + lo : b + lo + grid.parity].T, omega_all[span])
+            w8 = Wt[b + lo : b + lo + grid.parity].T
+            negative[:, span] = parity_signs(w8, np.broadcast_to(omega_all[span], w8.shape))[0]
         sign = np.where(negative[:, lo : lo + g], np.float32(-1), np.float32(1))
         magnitude = np.where(s > 0, w * sign / np.where(s > 0, s, np.float32(1)), np.float32(0))
         # Σ ω (m − p)² up to the rows' constant Σ ω m²: [rows, P]
@@ -181,7 +173,7 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
     data = np.concatenate(blocks, axis=1)
     Q = torch.from_numpy(decode_tensor(data, kind, cols))
     W0, H0 = weight.detach().cpu().float(), hessian.detach().cpu().float()
-    rtn = torch.from_numpy(decode_tensor(encode_tensor(W0.numpy(), kind, plain_importance(kind, cols)), kind, cols))
+    rtn = torch.from_numpy(round_trip(W0.numpy(), kind))
     (error, rel_error), (_, rtn_rel_error) = layer_errors(W0, [Q, rtn], H0)
     stats = {
         "error": error, "rel_error": rel_error, "rtn_rel_error": rtn_rel_error,

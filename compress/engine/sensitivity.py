@@ -44,7 +44,7 @@ from compress.engine.methods.base import LayerReport, Method
 from compress.engine.statistics import InputStatistics, Stat
 from compress.errors import CompressError
 from compress.formats.candidates import Candidate
-from compress.formats.gguf.codecs import decode_tensor, encode_tensor, plain_importance
+from compress.formats.gguf.codecs import round_trip
 from compress.formats.gguf.grids import is_block_quantized
 from compress.formats.gguf.sizes import GGMLType
 from compress.quantizers.gguf_gptq import GGUFGPTQConfig, gguf_gptq
@@ -100,8 +100,7 @@ def quantize_with(candidate: Candidate, weight: torch.Tensor, hessian: torch.Ten
         if settings.solver == Solver.gptq and hessian is not None:
             config = GGUFGPTQConfig(kind, settings.block_size, settings.damp)
             return gguf_gptq(weight.cpu(), hessian.cpu(), config).weight.to(weight.device)
-        data = encode_tensor(weight.detach().float().cpu().numpy(), kind, plain_importance(kind, weight.shape[1]))
-        return torch.from_numpy(decode_tensor(data, kind, weight.shape[1])).to(weight.device)
+        return torch.from_numpy(round_trip(weight.detach().float().cpu().numpy(), kind)).to(weight.device)
     if settings.solver == Solver.gptq and hessian is not None:
         config = GPTQConfig(candidate.scheme, block_size=settings.block_size, damp=settings.damp, act_order=settings.act_order)
         return gptq(weight, hessian, config).weight

@@ -43,10 +43,17 @@ def needs_importance(kind: GGMLType) -> bool:
     return getattr(CODECS.get(kind), "NEEDS_IMPORTANCE", False)
 
 
-def plain_importance(kind: GGMLType, cols: int) -> np.ndarray | None:
-    """The importance of a plain (unweighted) encoding: None, or for the types ggml only encodes with one, a
-    uniform one (what a flat imatrix gives)."""
-    return np.ones(cols, dtype=np.float32) if needs_importance(kind) else None
+def plain_importance(kind: GGMLType, shape: tuple[int, ...]) -> np.ndarray | None:
+    """The importance of a plain (unweighted) encoding of weights of ``shape``: None, or for the types ggml only
+    encodes with one, a uniform one (what a flat imatrix gives)."""
+    return np.ones(shape, dtype=np.float32) if needs_importance(kind) else None
+
+
+def round_trip(weight: np.ndarray, kind: GGMLType) -> np.ndarray:
+    """``decode(encode(weight))`` ``[rows, cols]`` in ``kind`` by ggml's plain encoder (a flat importance where
+    ggml needs one)."""
+    cols = weight.shape[-1]
+    return decode_tensor(encode_tensor(weight, kind, plain_importance(kind, (cols,))), kind, cols)
 
 
 def _functions(kind: GGMLType):

@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from compress.formats.gguf.codecs import CHUNK_ELEMENTS, CODECS
+from compress.formats.gguf.codecs import CHUNK_ELEMENTS, CODECS, plain_importance
 from compress.quantizers.threads import one_thread
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
 
@@ -94,7 +94,8 @@ def fit(
     codec = CODECS[kind]
     blocks = np.ascontiguousarray(blocks, dtype=np.float32)
     if is_lattice(kind):
-        grid = codec.fit_grid(blocks, None if importance is None else np.ascontiguousarray(importance, dtype=np.float32))
+        importance = plain_importance(kind, blocks.shape) if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
+        grid = codec.fit_grid(blocks, importance)
         step = np.repeat(grid.scale(), blocks.shape[1] // grid.scale().shape[1], axis=1)
         return LatticeGrid(kind, grid, step, codec.codebook(), getattr(codec, "SIGN_PARITY", 0))
     weighted = importance is not None and hasattr(codec, "encode_weighted")

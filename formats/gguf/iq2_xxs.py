@@ -62,10 +62,9 @@ def fit(blocks: np.ndarray, qw: np.ndarray) -> tuple[HalfStepGrid, np.ndarray, n
     return super_blocks(scales, points, negative, 1.0, 0.25)
 
 
-def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> HalfStepGrid:
-    """The grid of `fit`, for points and signs chosen elsewhere (GPTQ); without ``qw`` a uniform importance
-    (ggml has no unweighted fit)."""
-    return fit(blocks, np.ones_like(blocks, dtype=F32) if qw is None else qw)[0]
+def fit_grid(blocks: np.ndarray, qw: np.ndarray) -> HalfStepGrid:
+    """The grid of `fit`, for points and signs chosen elsewhere (GPTQ)."""
+    return fit(blocks, qw)[0]
 
 
 def codebook() -> np.ndarray:

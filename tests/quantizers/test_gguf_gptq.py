@@ -63,7 +63,9 @@ def reference_lattice_obq(weight: torch.Tensor, hessian: torch.Tensor, kind: GGM
     sign = torch.ones_like(W)
     for i0 in range(0, cols, g):
         if i0 % B == 0:
-            scale = torch.from_numpy(codec.fit_grid(W[:, i0 : i0 + B].float().numpy()).scale()).double()
+            block = W[:, i0 : i0 + B].float().numpy()
+            flat = np.ones_like(block) if needs_importance(kind) else None  # IQ2_XXS/IQ2_XS: ggml fits only with one
+            scale = torch.from_numpy(codec.fit_grid(block, flat).scale()).double()
             step = scale.repeat_interleave(B // scale.shape[1], dim=1)
         if parity and i0 % parity == 0:
             span = slice(i0, i0 + parity)

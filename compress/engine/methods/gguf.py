@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from compress.formats.gguf.codecs import decode_tensor, encode_tensor, plain_importance
+from compress.formats.gguf.codecs import round_trip as ggml_round_trip
 from compress.formats.gguf.sizes import GGMLType
 from compress.engine.methods.awq import AWQ, AWQMethodConfig
 from compress.engine.methods.base import HessianMethod, LayerOutcome, SolverConfig
@@ -62,8 +62,7 @@ def gguf_round_trip(kind: GGMLType):
     """``w [out, in] -> decode(encode(w))`` in GGML type ``kind`` (ggml's reference encoder)."""
 
     def round_trip(w: torch.Tensor) -> torch.Tensor:
-        data = encode_tensor(w.detach().float().cpu().numpy(), kind, plain_importance(kind, w.shape[1]))
-        return torch.from_numpy(decode_tensor(data, kind, w.shape[1])).to(w.device)
+        return torch.from_numpy(ggml_round_trip(w.detach().float().cpu().numpy(), kind)).to(w.device)
 
     return round_trip
 
