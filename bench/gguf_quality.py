@@ -3,7 +3,7 @@
     python bench/gguf_quality.py [--model eval/assets/reference-llama] [--types q4_k q3_k q2_k iq4_xs ...]
         [--methods llama.cpp llama.cpp+imatrix rtn imatrix gptq awq awq-gptq] [--samples 64] [--seq-len 512]
         [--calib eval/assets/shakespeare-calib-slice.txt] [--text eval/assets/shakespeare-test-slice.txt]
-        [--rounded-input] [--workdir DIR] [--json PATH]
+        [--rounded-input] [--workdir DIR] [--json PATH] [--plan sensitivity.json] [--report DIR]
 
 Protocol. The model is exported once as an F16 GGUF (our exporter). Per type, every method writes one
 file in which every matrix has that type (token_embd and output included), or for llama.cpp's mixes
@@ -19,6 +19,10 @@ file in which every matrix has that type (token_embd and output included), or fo
 llama.cpp quantizes the F16 file, our exporter the checkpoint's own (float32) weights: with
 ``--rounded-input`` ours read a copy whose matrices are rounded to float16 instead, so every method starts from the same
 values (the baseline stays the original model).
+With ``--plan`` (a GGUF sensitivity file from ``compress measure --candidates q2_k,...,q8_0``), the method
+``gptq+plan`` writes ``compress export --method gptq --plan FILE --target-size S`` where S is the size of the
+llama.cpp + imatrix file of the same type (or llama.cpp's, whichever this run wrote): the issue-21 row, one
+allocation per layer at exactly the anchor's size, beside ``gptq`` with llama.cpp's type rules.
 Every file, and the F16 one as a reference, is scored by `evaluate_outputs` with llama.cpp on the held-out
 text: windows of ``ctx`` 512 tokens (HF tokenizer, no BOS), perplexity and mean KL(HF model || GGUF).
 Bits per weight are those of the ``blk.*`` matrices as stored (``gguf_figures``); the size is the file's.
@@ -41,11 +45,13 @@ from gguf_imatrix_check import ASSETS, TYPES, Rejected, calibration_windows, exp
 from llama_cpp_tools import llama_imatrix, llama_quantize
 
 from compress.eval.report import GGUFBackend, Protocol, evaluate_outputs
+from compress.eval.report_render import write_report
 from compress.formats.gguf.plan import FILE_TYPE, PRESETS, Target
 
-OURS = ["rtn", "imatrix", "gptq", "awq", "awq-gptq"]
+OURS = ["rtn", "imatrix", "gptq", "awq", "awq-gptq", "gptq+plan"]
 METHODS = ["llama.cpp", "llama.cpp+imatrix", *OURS]
-LABELS = {"llama.cpp": "llama.cpp", "llama.cpp+imatrix": "llama.cpp + imatrix", **{m: f"ours {m}" for m in OURS}}
+LABELS = {"llama.cpp": "llama.cpp", "llama.cpp+imatrix": "llama.cpp + imatrix", **{m: f"ours {m}" for m in OURS},
+          "gptq+plan": "ours gptq, allocated"}
 
 
 @dataclass
@@ -58,6 +64,7 @@ class Setup:
     threads: int
     f16: Path | None = None
     llama_imatrix_file: Path | None = None
+    plan: Path | None = None
 
     def llama_imatrix(self) -> Path:
         """llama-imatrix's file for the F16 model, collected on first use."""
@@ -88,8 +95,18 @@ def with_ours(method: str) -> Callable[[Setup, str, Path], None]:
     return write
 
 
+def with_plan(setup: Setup, kind: str, dst: Path) -> None:
+    """GPTQ with one measured type per tensor, sized to the llama.cpp file of the same type."""
+    anchors = [setup.work / f"{kind}-{m}.gguf" for m in ("llama.cpp+imatrix", "llama.cpp")]
+    anchor = next((a for a in anchors if a.is_file()), None)
+    if setup.plan is None or anchor is None:
+        raise SystemExit("gptq+plan needs --plan sensitivity.json and llama.cpp or llama.cpp+imatrix listed before it in --methods")
+    ours_export(setup.model, dst, kind, "gptq", *setup.calib_options(), "--plan", setup.plan,
+                "--target-size", anchor.stat().st_size)
+
+
 PRODUCERS = {"llama.cpp": with_llama_cpp, "llama.cpp+imatrix": with_llama_cpp_imatrix,
-             **{m: with_ours(m) for m in OURS}}
+             **{m: with_ours(m) for m in OURS}, "gptq+plan": with_plan}
 
 
 def write_files(setup: Setup, kinds: list[str], methods: list[str]) -> tuple[list[dict], list[str]]:
@@ -115,12 +132,15 @@ def write_files(setup: Setup, kinds: list[str], methods: list[str]) -> tuple[lis
 
 
 # -- scores and the table --------------------------------------------------------------------------------
-def score(rows: list[dict], model: Path, text: Path, ctx: int) -> dict:
-    """Fill each row's size, bits per weight, perplexity and KLD; returns the report's baseline and protocol."""
+def score(rows: list[dict], model: Path, text: Path, ctx: int, report_dir: Path | None = None) -> dict:
+    """Fill each row's size, bits per weight, perplexity and KLD; returns the report's baseline and protocol.
+    With ``report_dir``, also `compress report`'s files there (KLD against size, Pareto front marked)."""
     report = evaluate_outputs([Path(r["path"]) for r in rows], model, Protocol(text, ctx=ctx), GGUFBackend.LLAMA_CPP)
     for row, scored in zip(rows, report.rows):
         row.update(size_bytes=scored.size_bytes, bits_per_weight=scored.bits_per_weight,
                    perplexity=scored.perplexity, kld=scored.kld, evaluator=scored.evaluator)
+    if report_dir is not None:
+        write_report(report.to_dict(), report_dir)
     return {"baseline": report.baseline.to_dict(), "protocol": report.protocol}
 
 
@@ -161,6 +181,8 @@ def main() -> None:
     ap.add_argument("--rounded-input", action="store_true", help="our exports read float16-rounded weights, as llama.cpp")
     ap.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary folder)")
     ap.add_argument("--json", type=Path, help="also write the rows here")
+    ap.add_argument("--plan", type=Path, help="GGUF sensitivity file for the gptq+plan method")
+    ap.add_argument("--report", type=Path, help="also write compress report's files (plot of KLD against size) here")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = args.workdir or Path(tmp)
@@ -169,11 +191,11 @@ def main() -> None:
         samples = min(args.samples, available)
         print(f"calibration {args.calib.name}: {available} windows of {args.seq_len} tokens, using {samples}")
         ours_input = f16_rounded_copy(args.model, work / "model-f16-rounded") if args.rounded_input else args.model
-        setup = Setup(ours_input, args.calib, samples, args.seq_len, work, args.threads)
+        setup = Setup(ours_input, args.calib, samples, args.seq_len, work, args.threads, plan=args.plan)
         setup.f16 = export_f16(args.model, work / "model-f16.gguf")
         rows, notes = write_files(setup, args.types, args.methods)
         rows.insert(0, {"type": "f16", "method": "ours (reference)", "path": str(setup.f16), "seconds": None})
-        summary = score(rows, args.model, args.text, args.ctx)
+        summary = score(rows, args.model, args.text, args.ctx, args.report)
     print(f"\nllama.cpp quantized the F16 GGUF; ours read {'a float16-rounded copy' if args.rounded_input else 'the checkpoint weights'}")
     print(markdown(rows, summary["baseline"]))
     for line in ratios(rows):

@@ -266,7 +266,7 @@ def run_stages(
             }
         write_model_card(tmp, recipe.output.path.name, record, figures)
     if recipe.export is not None:  # the finished checkpoint, also as one GGUF file
-        from compress.export.spec import export_from_spec
+        from compress.run.export_stage import export_from_spec
 
         export_from_spec(recipe.output.path, recipe.export, progress, recipe.calibration, recipe.device.value)
     return RunResult(recipe.output.path, result, handle.reader.total_bytes(), dir_size(recipe.output.path), evaluation, notes,

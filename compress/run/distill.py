@@ -206,7 +206,7 @@ def run_distill_recipe(recipe, progress=None, command: str | None = None, on_lay
             shutil.rmtree(staging, ignore_errors=True)
     result.compression = compression
     if recipe.export is not None and accelerator.is_main_process:  # the distilled checkpoint, as one GGUF file
-        from compress.export.spec import export_from_spec
+        from compress.run.export_stage import export_from_spec
 
         export_from_spec(recipe.output.path, recipe.export, progress, recipe.calibration, recipe.device.value)
     return result

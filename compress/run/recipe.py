@@ -28,7 +28,7 @@ from pydantic import BaseModel, ConfigDict, Field, PrivateAttr, ValidationError
 
 from compress.distill.config import DistillSpec
 from compress.errors import CompressError
-from compress.export.spec import ExportSpec
+from compress.run.export_stage import ExportSpec
 from compress.checkpoints.calibration import CalibrationSpec
 from compress.formats.base import OutputFormat
 from compress.quantizers.kv_cache import KVCacheFormat

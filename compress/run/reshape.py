@@ -70,7 +70,7 @@ def run_reshaping(recipe, method: CheckpointMethod, record: dict, progress: Prog
             })
         write_model_card(tmp, recipe.output.path.name, record, figures)
     if recipe.export is not None:
-        from compress.export.spec import export_from_spec
+        from compress.run.export_stage import export_from_spec
 
         export_from_spec(recipe.output.path, recipe.export, progress, recipe.calibration, recipe.device.value)
     engine = EngineResult(blocks=len(handle.blocks), seconds=time.perf_counter() - start, peak_rss_bytes=peak_rss_bytes())
