@@ -267,6 +267,13 @@ def _guarded_output(out: Path, overwrite: bool):
         lock.release()
 
 
+def file_type(config: ExportConfig, entries: list[PlannedTensor]) -> int:
+    """``general.file_type``: the target's, or for a per-tensor plan that of the type holding the most weights."""
+    if not config.types:
+        return plan.FILE_TYPE[config.target]
+    return plan.planned_file_type((e.kind, int(np.prod(e.shape))) for e in entries if len(e.shape) > 1)
+
+
 def check_output(config: ExportConfig) -> None:
     check_outside_input(config.output, config.model)
     if config.output.exists() and not config.overwrite:
@@ -307,7 +314,7 @@ def export_gguf(
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     result = ExportResult(out, config.target.value, arch)
     with _guarded_output(out, config.overwrite) as finish, atomic_gguf_writer(out, arch, finish) as writer:
-        add_metadata(writer, arch, hf, config.target)
+        add_metadata(writer, arch, hf, file_type(config, entries))
         writer.add_string(PROVENANCE_KEY, json.dumps(provenance(config), sort_keys=True))
         vocab = add_vocab(writer, config.model, hf["vocab_size"])
         result.notes.extend(vocab.notes)

@@ -15,8 +15,6 @@ import json
 from pathlib import Path
 
 from compress.errors import CompressError
-from compress.formats.gguf import plan
-from compress.formats.gguf.plan import Target
 
 # HF model_type -> GGUF arch
 ARCHITECTURES = {
@@ -119,7 +117,8 @@ def rope_parameters(config: dict) -> dict[str, dict]:
     return {"full_attention": rope, "sliding_attention": rope}
 
 
-def add_metadata(writer, arch: str, config: dict, target: Target) -> None:
+def add_metadata(writer, arch: str, config: dict, file_type: int) -> None:
+    """The architecture's keys as llama.cpp's converter writes them; ``file_type``: `general.file_type`'s id."""
     hidden, heads = config["hidden_size"], config["num_attention_heads"]
     head_dim = config.get("head_dim") or hidden // heads
     writer.add_name(config.get("_name_or_path") or "model")
@@ -145,7 +144,7 @@ def add_metadata(writer, arch: str, config: dict, target: Target) -> None:
             if value is not None:
                 getattr(writer, add)(int(value))
     writer.add_vocab_size(config["vocab_size"])
-    writer.add_file_type(plan.FILE_TYPE[target])
+    writer.add_file_type(file_type)
     writer.add_quantization_version(2)
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from compress.export.gguf import ExportConfig, _tensor_plan
+from compress.export.gguf import ExportConfig, _tensor_plan, file_type
 from compress.export.gguf_arch import ARCHITECTURES, add_metadata, read_config
 from compress.checkpoints.shards import CheckpointReader
 from compress.formats.gguf.sizes import row_bytes
@@ -34,7 +34,7 @@ def fixed_gguf_bytes(config: ExportConfig, planned: set[str]) -> int:
         path = Path(scratch) / "header.gguf"
         writer = gguf.GGUFWriter(path, arch)
         try:
-            add_metadata(writer, arch, hf, config.target)
+            add_metadata(writer, arch, hf, file_type(config, entries))
             add_vocab(writer, config.model, hf["vocab_size"])
             for _, gname, kind, shape in entries:
                 rows = int(np.prod(shape[:-1])) if len(shape) > 1 else 1

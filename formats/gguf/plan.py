@@ -40,6 +40,7 @@ from __future__ import annotations
 import math
 import re
 from enum import Enum
+from typing import Iterable
 
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
 
@@ -96,6 +97,24 @@ FILE_TYPE = {
     Target.iq3_s: 26, Target.iq4_nl: 25, Target.iq4_xs: 30, Target.iq4_xs_mix: 30, Target.iq3_m: 27,
     Target.iq3_xxs: 23, Target.iq2_xxs: 19, Target.iq2_xs: 20, Target.iq2_s: 28, Target.iq2_m: 29,
 }
+
+# A file typed tensor by tensor (a plan) has no llama.cpp file type of its own: it is labelled by the type
+# holding the most weights, with the id llama.cpp's loader guesses for a file mostly of that type
+# (llama_model_loader: a k-quant maps to its _M mix).
+GUESSED_FILE_TYPE = {
+    G.F32: 0, G.F16: 1, G.BF16: 32, G.Q4_0: 2, G.Q4_1: 3, G.Q5_0: 8, G.Q5_1: 9, G.Q8_0: 7, G.Q2_K: 10, G.Q3_K: 12,
+    G.Q4_K: 15, G.Q5_K: 17, G.Q6_K: 18, G.IQ2_XXS: 19, G.IQ2_XS: 20, G.IQ2_S: 28, G.IQ3_XXS: 23, G.IQ4_NL: 25,
+    G.IQ3_S: 26, G.IQ4_XS: 30,
+}
+
+
+def planned_file_type(matrices: Iterable[tuple[G, int]]) -> int:
+    """general.file_type of a per-tensor plan: ``matrices`` are (stored type, weights) of each matrix."""
+    weights: dict[G, int] = {}
+    for kind, count in matrices:
+        weights[kind] = weights.get(kind, 0) + count
+    return GUESSED_FILE_TYPE[max(weights, key=lambda k: (weights[k], -int(k)))]  # a tie: the lower type id
+
 
 FALLBACK = {G.Q2_K: G.Q4_0, G.Q3_K: G.Q4_0, G.Q4_K: G.Q5_0, G.Q5_K: G.Q5_1, G.Q6_K: G.Q8_0, G.IQ3_S: G.IQ4_NL, G.IQ3_XXS: G.IQ4_NL,
             G.IQ4_XS: G.IQ4_NL, G.IQ2_XXS: G.IQ4_NL, G.IQ2_XS: G.IQ4_NL, G.IQ2_S: G.IQ4_NL}

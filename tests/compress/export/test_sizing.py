@@ -57,3 +57,15 @@ def test_moe_plan_is_refused(tmp_path, tiny_tokenizer):
     model = save_architecture("qwen2_moe", tmp_path / "moe", tiny_tokenizer)
     config = ExportConfig(model, tmp_path / "m.gguf", Target.q8_0)
     assert "MoE experts" in one_line_error(gguf_plan, model, PlanSpec(layers={"model.layers.0.mlp.gate": "q8_0"}), config)
+
+
+@pytest.mark.parametrize("layers, file_type", [
+    ({"re:.*": "q8_0"}, 7),  # every matrix Q8_0: llama.cpp's MOSTLY_Q8_0, not the target's MOSTLY_Q4_1 (3)
+    ({"model.layers.0.mlp.down_proj": "q8_0"}, 3),  # one small layer planned: still mostly Q4_1
+    ({"re:.*": "q4_k"}, 8),  # rows of 64 weights: Q4_K falls back to Q5_0, and the label is what the file holds
+])
+def test_a_planned_file_is_labelled_by_the_type_holding_most_weights(layers, file_type, tiny_llama, tmp_path):
+    config = ExportConfig(tiny_llama, tmp_path / "m.gguf", Target.q4_1)
+    _, types = gguf_plan(tiny_llama, PlanSpec(layers=layers), config)
+    reader = gguf.GGUFReader(export_gguf(replace(config, types=types)).output)
+    assert int(reader.fields["general.file_type"].parts[-1][0]) == file_type
