@@ -95,14 +95,16 @@ def with_ours(method: str) -> Callable[[Setup, str, Path], None]:
     return write
 
 
-def with_plan(setup: Setup, kind: str, dst: Path) -> None:
-    """GPTQ with one measured type per tensor, sized to the llama.cpp file of the same type."""
+def with_plan(setup: Setup, kind: str, dst: Path) -> dict:
+    """GPTQ with one measured type per tensor, sized to the llama.cpp file of the same type; returns the
+    plan's predicted KLD (calibration windows) for the row."""
     anchors = [setup.work / f"{kind}-{m}.gguf" for m in ("llama.cpp+imatrix", "llama.cpp")]
     anchor = next((a for a in anchors if a.is_file()), None)
     if setup.plan is None or anchor is None:
         raise SystemExit("gptq+plan needs --plan sensitivity.json and llama.cpp or llama.cpp+imatrix listed before it in --methods")
-    ours_export(setup.model, dst, kind, "gptq", *setup.calib_options(), "--plan", setup.plan,
-                "--target-size", anchor.stat().st_size)
+    result = ours_export(setup.model, dst, kind, "gptq", *setup.calib_options(), "--plan", setup.plan,
+                         "--target-size", anchor.stat().st_size)
+    return {"predicted_kld": result["plan"]["predicted_kld"]}
 
 
 PRODUCERS = {"llama.cpp": with_llama_cpp, "llama.cpp+imatrix": with_llama_cpp_imatrix,
@@ -119,7 +121,7 @@ def write_files(setup: Setup, kinds: list[str], methods: list[str]) -> tuple[lis
             dst = setup.work / f"{kind}-{method}.gguf"
             start = time.perf_counter()
             try:
-                PRODUCERS[method](setup, kind, dst)
+                extra = PRODUCERS[method](setup, kind, dst) or {}
             except Rejected as exc:
                 rejected.add(method)
                 notes.append(f"skipped {LABELS[method]}: our CLI rejects it ({exc})")
@@ -127,7 +129,7 @@ def write_files(setup: Setup, kinds: list[str], methods: list[str]) -> tuple[lis
                 continue
             seconds = time.perf_counter() - start
             print(f"wrote {dst.name} in {seconds:.1f} s")
-            rows.append({"type": kind, "method": LABELS[method], "path": str(dst), "seconds": round(seconds, 2)})
+            rows.append({"type": kind, "method": LABELS[method], "path": str(dst), "seconds": round(seconds, 2), **extra})
     return rows, notes
 
 
@@ -147,11 +149,12 @@ def score(rows: list[dict], model: Path, text: Path, ctx: int, report_dir: Path 
 def markdown(rows: list[dict], baseline: dict) -> str:
     lines = [f"baseline (HF, float32): perplexity {baseline['perplexity']:.4f} over {baseline['tokens_scored']} tokens",
              "",
-             "| type | method | size (bytes) | size (MB) | bits/weight | perplexity | mean KLD |",
-             "|---|---|---:|---:|---:|---:|---:|"]
+             "| type | method | size (bytes) | size (MB) | bits/weight | perplexity | mean KLD | predicted KLD |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
+        predicted = f"{r['predicted_kld']:.5f}" if r.get("predicted_kld") is not None else ""
         lines.append(f"| {r['type']} | {r['method']} | {r['size_bytes']} | {r['size_bytes'] / 1e6:.3f} | "
-                     f"{r['bits_per_weight']:.4f} | {r['perplexity']:.4f} | {r['kld']:.5f} |")
+                     f"{r['bits_per_weight']:.4f} | {r['perplexity']:.4f} | {r['kld']:.5f} | {predicted} |")
     return "\n".join(lines)
 
 

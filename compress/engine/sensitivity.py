@@ -30,7 +30,7 @@ from __future__ import annotations
 import enum
 import logging
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import numpy as np
@@ -140,7 +140,14 @@ class _Measure(Method):
             weight = get_weight(module).detach().float().clone()
             hessian = stats[name][Stat.HESSIAN]
             figures = self.measured.setdefault(name, {})
+            measured_as: dict[str, str] = {}  # stored form -> the candidate measured in it (for this row length)
             for candidate in self.candidates:
+                size, stored = self.sizes[name][candidate.name]
+                twin = measured_as.setdefault(stored, candidate.name)
+                if twin != candidate.name:  # falls back to a type already measured here (q2_k, q3_k -> Q4_0): same numbers
+                    figures[candidate.name] = replace(figures[twin])
+                    self.quantized[name][candidate.name] = self.quantized[name][twin]
+                    continue
                 quantized = quantize_with(candidate, weight, hessian, self.settings)
                 set_weight(module, quantized)
                 try:
@@ -148,7 +155,6 @@ class _Measure(Method):
                 finally:
                     set_weight(module, weight)
                 error, rel = layer_error(weight, quantized, hessian)
-                size, stored = self.sizes[name][candidate.name]
                 figures[candidate.name] = Measured(size, stored, error, rel, residual)
                 self.quantized.setdefault(name, {})[candidate.name] = quantized
             info = {c: round(m.residual_error, 8) for c, m in figures.items()}

@@ -120,3 +120,25 @@ def test_gptq_measures_lower_error_than_rounding(tiny_llama, calibration):
     gptq_run, rtn_run = runs
     for name in layers:
         assert gptq_run.layers[name]["w3g32"].layer_error < rtn_run.layers[name]["w3g32"].layer_error
+
+
+def test_candidates_stored_alike_are_solved_once_with_the_figures_of_a_run_of_their_own(tiny_llama, calibration, monkeypatch):
+    """Rows of 64 weights: q2_k and q3_k both fall back to Q4_0, q6_k to Q8_0. Each layer is solved and replayed
+    once per stored type, and every candidate gets the figures a run measuring it alone gives."""
+    import compress.engine.sensitivity as sensitivity
+
+    def measure(candidates: str):
+        handle = open_model(tiny_llama)
+        layers = quantizable_layers(handle.model, [handle.block_name(i) for i in range(len(handle.blocks))])
+        return layers, measure_sensitivity(handle, calibration, parse_candidates(candidates), layers, batch_size=3)
+
+    calls = []
+    solve = sensitivity.quantize_with
+    monkeypatch.setattr(sensitivity, "quantize_with", lambda c, w, *a: calls.append(c.name) or solve(c, w, *a))
+    layers, joint = measure("q2_k,q3_k,q8_0,q6_k")
+    assert sorted(set(calls)) == ["q2_k", "q8_0"] and len(calls) == 2 * len(layers)
+    for name in ("q3_k", "q6_k"):
+        _, alone = measure(name)
+        for layer in layers:
+            assert joint.layers[layer][name] == alone.layers[layer][name]
+        assert joint.uniform_kld[name] == pytest.approx(alone.uniform_kld[name], rel=1e-6)
