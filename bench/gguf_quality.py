@@ -109,6 +109,9 @@ def with_plan(setup: Setup, kind: str, dst: Path) -> dict:
 
 PRODUCERS = {"llama.cpp": with_llama_cpp, "llama.cpp+imatrix": with_llama_cpp_imatrix,
              **{m: with_ours(m) for m in OURS}, "gptq+plan": with_plan}
+# methods whose refusal is about one type only: the plan's budget is that type's llama.cpp file (q2_k's is below
+# every plan of q2_k..q8_0), so the larger types still get their rows
+REFUSED_PER_TYPE = {"gptq+plan"}
 
 
 def write_files(setup: Setup, kinds: list[str], methods: list[str]) -> tuple[list[dict], list[str]]:
@@ -123,8 +126,9 @@ def write_files(setup: Setup, kinds: list[str], methods: list[str]) -> tuple[lis
             try:
                 extra = PRODUCERS[method](setup, kind, dst) or {}
             except Rejected as exc:
-                rejected.add(method)
-                notes.append(f"skipped {LABELS[method]}: our CLI rejects it ({exc})")
+                if method not in REFUSED_PER_TYPE:
+                    rejected.add(method)
+                notes.append(f"skipped {LABELS[method]}{f' at {kind}' if method in REFUSED_PER_TYPE else ''}: our CLI rejects it ({exc})")
                 print(notes[-1])
                 continue
             seconds = time.perf_counter() - start
