@@ -31,6 +31,9 @@ def check_reshaping_stages(recipe, methods: list) -> CheckpointMethod | None:
     spec = recipe.stages[index]
     if spec.include or spec.exclude:
         raise CompressError(f"stage {index + 1} ({name}) prunes the whole model: drop include/exclude")
+    if recipe.kv_cache is not None:  # the scales are calibrated on the block engine, which a reshaping run bypasses
+        raise CompressError(f"stage {index + 1} ({name}) writes a new checkpoint without KV-cache scales: drop kv_cache, "
+                            "and calibrate them on its output with a second command (compress quantize --kv-cache)")
     return methods[index]
 
 

@@ -131,3 +131,14 @@ def test_recipe_target_params_then_distillation_repair(tmp_path, tiny_llama):
     mixed.write_text(recipe.read_text().replace("distill:", "  - method: rtn\ndistill:"))
     refused = runner.invoke(app, ["run", str(mixed)])
     assert refused.exit_code == 2 and "must be the only stage" in refused.output
+
+
+def test_kv_cache_scales_beside_a_structured_stage_are_refused_not_dropped(tiny_llama, tmp_path):
+    recipe = tmp_path / "r.yaml"
+    recipe.write_text(
+        f"model: {tiny_llama}\ncalibration: {{path: {CALIB_TEXT}, samples: 4, seq_len: 32}}\n"
+        f"stages:\n  - method: structured\n    mlp: 0.5\nkv_cache: {{format: fp8}}\noutput: {{path: {tmp_path / 'out'}}}\n"
+    )
+    refused = runner.invoke(app, ["run", str(recipe)])
+    assert refused.exit_code == 2 and "without KV-cache scales" in refused.output, refused.output
+    assert len(refused.output.strip().splitlines()) == 1 and not (tmp_path / "out").exists()
