@@ -183,6 +183,13 @@ class ModelHandle:
                 tied = []
         return set(tied)
 
+    def head_is_tied(self) -> bool:
+        """The output layer's weight is the input embeddings' (stored once, tied by transformers at load; the
+        skeleton's parameters are not the same object, so identity cannot tell)."""
+        head = self.model.get_output_embeddings()
+        name = next((n for n, m in self.model.named_modules() if m is head), None) if head is not None else None
+        return name is not None and f"{name}.weight" in self.tied_parameter_names()
+
     def non_block_parameters(self, module: nn.Module) -> list[str]:
         """Names (relative to ``module``) of parameters outside the decoder blocks."""
         blocks = {id(p) for p in self.blocks.parameters()}

@@ -239,7 +239,7 @@ def measure_sensitivity(
     model = handle.model
     embed_module, head_module = model.get_input_embeddings(), model.get_output_embeddings()
     embed_name, head_name = _module_name(model, embed_module), _module_name(model, head_module)
-    tied = head_module is not None and embed_module is not None and head_module.weight is embed_module.weight
+    tied = embed_module is not None and handle.head_is_tied()
     blocks = tuple(handle.block_name(i) + "." for i in range(len(handle.blocks)))
     inside = {n: m for n, m in layers.items() if n.startswith(blocks)}
     outside = [n for n in layers if n not in inside]

@@ -47,8 +47,9 @@ def selected_layers(handle, gguf: bool, include: list[str] | None, exclude: list
     if gguf and not include:
         model = handle.model
         embed, head = model.get_input_embeddings(), model.get_output_embeddings()
+        tied = handle.head_is_tied()
         for name, module in model.named_modules():
-            if module is embed or (module is head and head.weight is not embed.weight):
+            if module is embed or (module is head and not tied):
                 layers[name] = module
         layers = {n: m for n, m in layers.items() if not any(re.search(p, n) for p in exclude or [])}
     return layers

@@ -142,3 +142,30 @@ def test_candidates_stored_alike_are_solved_once_with_the_figures_of_a_run_of_th
         for layer in layers:
             assert joint.layers[layer][name] == alone.layers[layer][name]
         assert joint.uniform_kld[name] == pytest.approx(alone.uniform_kld[name], rel=1e-6)
+
+
+def test_tied_embeddings_are_measured_once_with_both_of_their_effects(tmp_path, calibration):
+    """A tied checkpoint stores no lm_head.weight: the embeddings are measured as the one GGUF tensor, their
+    KLD the sum of quantizing the output projection alone and the input lookup alone (transformers, untied by hand)."""
+    from conftest import save_random_model, tiny_llama_config
+    from compress.run.measure import selected_layers
+
+    path = save_random_model(tiny_llama_config(tie_word_embeddings=True), tmp_path / "tied")
+    handle = open_model(path)
+    layers = selected_layers(handle, True, None, None)
+    assert "model.embed_tokens" in layers and "lm_head" not in layers
+    candidates = parse_candidates("q4_0")
+    run = measure_sensitivity(handle, calibration, candidates, layers, RTN, batch_size=3)
+    assert "lm_head" not in run.layers
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    original = model.model.embed_tokens.weight.detach().clone()
+    q = torch.from_numpy(decode_tensor(encode_tensor(original.numpy(), candidates[0].ggml), candidates[0].ggml, original.shape[1]))
+    with torch.no_grad():
+        clean = model(calibration).logits
+        model.lm_head.weight = torch.nn.Parameter(q.clone())  # unties: only the output projection quantized
+        head_only = kld(clean, model(calibration).logits)
+        model.lm_head.weight = torch.nn.Parameter(original.clone())
+        model.model.embed_tokens.weight.copy_(q)  # only the input lookup
+        embed_only = kld(clean, model(calibration).logits)
+    assert run.layers["model.embed_tokens"]["q4_0"].kld == pytest.approx(head_only + embed_only, rel=1e-4)
