@@ -42,8 +42,9 @@ QUANTIZABLE_TYPES: tuple[type, ...] = tuple(t for t in (nn.Linear, _conv1d_type(
 
 
 def is_conv1d(module: nn.Module) -> bool:
-    """GPT-2's Conv1D stores its weight transposed (``[in, out]``)."""
-    return not isinstance(module, nn.Linear)
+    """GPT-2's Conv1D stores its weight transposed (``[in, out]``); an embedding's rows are its tokens
+    (``[vocab, hidden]``, as GGUF stores token_embd), so it is not one."""
+    return not isinstance(module, (nn.Linear, nn.Embedding))
 
 
 def get_weight(module: nn.Module) -> torch.Tensor:

@@ -169,3 +169,25 @@ def test_tied_embeddings_are_measured_once_with_both_of_their_effects(tmp_path, 
         model.model.embed_tokens.weight.copy_(q)  # only the input lookup
         embed_only = kld(clean, model(calibration).logits)
     assert run.layers["model.embed_tokens"]["q4_0"].kld == pytest.approx(head_only + embed_only, rel=1e-4)
+
+
+def test_embedding_sizes_are_those_the_gguf_file_writes(tiny_llama, calibration, tmp_path):
+    """The embeddings' rows are tokens ([300, 64]): Q4_K falls back by the 64-wide rows (to Q5_0), as the
+    exporter writes them; read as [64, 300] they were sized as rows of 300 (SmolLM2's plans ran 7 % over)."""
+    from dataclasses import replace as with_types
+
+    from compress.export.gguf import ExportConfig, export_gguf
+    from compress.formats.gguf.plan import Target
+    from compress.formats.gguf.sizes import GGMLType
+    from compress.run.measure import selected_layers
+
+    gguf = pytest.importorskip("gguf")
+    handle = open_model(tiny_llama)
+    layers = selected_layers(handle, True, None, None)
+    run = measure_sensitivity(handle, calibration, parse_candidates("q4_k,q8_0"), layers, RTN, batch_size=3)
+    written = {}
+    for name, kind in (("q4_k", GGMLType.Q5_0), ("q8_0", GGMLType.Q8_0)):
+        config = ExportConfig(tiny_llama, tmp_path / f"{name}.gguf", Target.q8_0, types={"token_embd.weight": kind})
+        tensors = {t.name: t for t in gguf.GGUFReader(export_gguf(config).output).tensors}
+        written[name] = (int(tensors["token_embd.weight"].n_bytes), tensors["token_embd.weight"].tensor_type.name.lower())
+    assert {c: (m.bytes, m.stored) for c, m in run.layers["model.embed_tokens"].items()} == written
