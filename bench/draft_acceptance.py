@@ -6,7 +6,7 @@ KL), (b) plain KD on the corpus (soft targets only), (c) cross-entropy only on t
 `compress eval speculative` figures (α greedy and sampled, on held-out text and on the target's own
 continuations; tokens per target call for K = 1..8; the measured assisted-generation speed-up).
 
-    python bench/draft_acceptance.py [--steps 100] [--temperature 0.7]
+    python bench/draft_acceptance.py [--target DIR] [--steps 100] [--temperature 0.7] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -36,6 +36,8 @@ def main() -> None:
     parser.add_argument("--k", type=int, default=4)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--kinds", default="draft-tv,draft-kl,kd,ce")
+    parser.add_argument("--draft-prompts", type=int, default=256, help="prompts the target continues for the draft objective")
+    parser.add_argument("--keep", type=Path, help="write the drafts here (one folder per kind) instead of a temporary directory")
     args = parser.parse_args()
     logging.basicConfig(level=logging.WARNING)
     import torch
@@ -49,7 +51,7 @@ def main() -> None:
     kind, _, value = args.student.partition(":")
     student = StudentSpec(**{kind: int(value) if kind == "every" else [int(v) for v in value.split(",")]})
     common = dict(data=args.train_text, student=student, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                  warmup_steps=max(1, args.steps // 10))
+                  warmup_steps=max(1, args.steps // 10), draft_prompts=args.draft_prompts)
     kinds = {
         "draft-tv": dict(objective="draft", draft_loss="tv", draft_temperature=args.temperature),
         "draft-kl": dict(objective="draft", draft_loss="kl", draft_temperature=args.temperature),
@@ -58,7 +60,8 @@ def main() -> None:
     }
     rows = []
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory() as tmp:
+    with tempfile.TemporaryDirectory() as scratch:
+        tmp = args.keep or scratch
         cache = Path(tmp) / "draft-data"  # generated once, shared by both draft losses
         for name in args.kinds.split(","):
             out = Path(tmp) / name

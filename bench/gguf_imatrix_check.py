@@ -143,13 +143,21 @@ def skipped_entries(log: Path) -> list[str]:
     return re.findall(r"did not find weights for (\S+)", log.read_text())
 
 
+def importances(entry) -> np.ndarray:
+    """An entry's importance, every expert's row after the other for a stacked MoE entry (float64)."""
+    rows = [entry.importance()] if entry.n_mat == 1 else [entry.importance(e) for e in range(entry.n_mat)]
+    return np.concatenate(rows).astype(np.float64)
+
+
 def importance_rows(ours: Imatrix, theirs: Imatrix) -> list[dict]:
-    """Per common entry: token counts, correlation and relative difference of the importances."""
+    """Per common entry: token counts (summed over experts; routed tokens for an MoE entry), correlation and
+    relative difference of the importances."""
     rows = []
     for name in sorted(ours.entries.keys() & theirs.entries.keys()):
-        a, b = ours.entries[name].importance().astype(np.float64), theirs.entries[name].importance().astype(np.float64)
+        a, b = importances(ours.entries[name]), importances(theirs.entries[name])
         rel = np.abs(a - b) / np.maximum(np.abs(b), 1e-12)
-        rows.append({"entry": name, "count_ours": ours.entries[name].count, "count_llama": theirs.entries[name].count,
+        rows.append({"entry": name, "count_ours": int(ours.entries[name].counts().sum()),
+                     "count_llama": int(theirs.entries[name].counts().sum()),
                      "corr": float(np.corrcoef(a, b)[0, 1]), "rel_median": float(np.median(rel)),
                      "rel_max": float(rel.max()), "norm_rel": float(np.linalg.norm(a - b) / np.linalg.norm(b))})
     return rows

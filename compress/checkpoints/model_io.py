@@ -168,6 +168,19 @@ class ModelHandle:
             _set_parameter(module, name, tensor)
         return stored
 
+    def load_remaining(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
+        """The whole model, every parameter still on the meta device read (tied ones tied), in eval mode on
+        ``device``: MoE experts stored per expert stay one ``nn.Linear`` per projection, as the engine sees them."""
+        tied = self.tied_parameter_names()
+        todo = {n for n, p in self.model.named_parameters() if p.is_meta and n not in tied}
+        self.materialize(self.model, "", "cpu", dtype, only=todo)
+        if tied:
+            self.model.tie_weights()
+        left = [n for n, p in self.model.named_parameters() if p.is_meta]
+        if left:
+            raise CompressError(f"{self.path} has no tensor for {left[0]}: the checkpoint is incomplete; re-export it")
+        return self.model.to(device=device).eval()
+
     @staticmethod
     def release(module: nn.Module, only: set[str] | None = None) -> None:
         """Return ``module``'s parameters (``only`` these if given) to the meta device, freeing memory."""

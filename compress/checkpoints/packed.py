@@ -176,16 +176,9 @@ def load_packed_model(path: Path, device: torch.device | str = "cpu", dtype: tor
     for name, layer in built.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
-    tied = handle.tied_parameter_names()
-    todo = {n for n, p in model.named_parameters() if p.is_meta and n not in tied}
-    handle.materialize(model, "", "cpu", dtype, only=todo)
-    if tied:
-        model.tie_weights()
-    left = [n for n, p in model.named_parameters() if p.is_meta]
-    if left:
-        raise CompressError(f"{path} has no tensor for {left[0]}: the checkpoint is incomplete; re-export it")
+    model = handle.load_remaining(device, dtype)
     log.info("loaded %d packed layers (%s) from %s", len(built), kind, path)
-    return model.to(device=device).eval()
+    return model
 
 
 # -- inspection --------------------------------------------------------------------------------------

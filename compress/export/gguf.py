@@ -288,6 +288,19 @@ def check_importance(entries, config: ExportConfig) -> None:
                             "export with --method imatrix, gptq or awq-gptq (and --calib TEXT), or --imatrix FILE")
 
 
+def _importance(entry, gname: str, source: str, cols: int) -> np.ndarray:
+    """The imatrix row for ``source`` (an expert's own row of a stacked tensor's entry), checked against the
+    tensor as llama-quantize checks it ("imatrix size is different from tensor size")."""
+    try:
+        importance = entry.importance(plan.expert_index(source))
+    except CompressError as exc:
+        raise CompressError(f"{gname}: {exc}") from None
+    if importance.shape != (cols,):
+        raise CompressError(f"the imatrix entry for {gname} has {importance.shape[0]} columns, the tensor {cols}: "
+                            "the imatrix was made for another model, collect one for this model")
+    return importance
+
+
 def export_gguf(
     config: ExportConfig,
     progress: Callable[[str, int, int], None] | None = None,
@@ -309,8 +322,6 @@ def export_gguf(
     entries = _tensor_plan(reader, hf, config.target, config.has_imatrix, config.types)
     imatrix = read_imatrix(config.imatrix) if config.imatrix is not None else None
     check_importance(entries, config)
-    if imatrix is not None and any(len(e.sources) > 1 for e in entries):
-        raise CompressError("importance matrices of MoE experts are not supported yet: export with --method gptq or rtn")
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
     result = ExportResult(out, config.target.value, arch)
     with _guarded_output(out, config.overwrite) as finish, atomic_gguf_writer(out, arch, finish) as writer:
@@ -361,7 +372,7 @@ def export_gguf(
             data = rows.numpy()
             if given is None:
                 entry = imatrix.entries.get(gname) if imatrix is not None and len(shape) > 1 else None
-                data = encode_tensor(data, kind, entry.importance() if entry is not None else None)
+                data = encode_tensor(data, kind, _importance(entry, gname, name, shape[-1]) if entry is not None else None)
             return np.ascontiguousarray(data).reshape(-1)
 
         for i, (sources, gname, kind, shape) in enumerate(entries):

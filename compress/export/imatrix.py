@@ -1,11 +1,16 @@
 """Collect an importance matrix (llama.cpp's ``imatrix``) from calibration text with the HF model.
 
-For every linear layer of the decoder blocks (and ``lm_head`` with ``process_output``, llama-imatrix's
+For every linear layer of the decoder blocks (and MoE routers, and ``lm_head`` with ``process_output``, llama-imatrix's
 ``--process-output``), the sum over all calibration tokens of each input activation squared, and the
 token count, keyed by the weight's GGUF name (llama.cpp ``tools/imatrix/imatrix.cpp`` accumulates
 ``in_sum2[j] += x_j²`` and ``counts += rows``). The input of a linear layer is the same in HF and in
 llama.cpp (the Q/K row permutation changes outputs, not inputs), so the file drives llama-quantize as
 one from llama-imatrix does. Windows are fed without BOS, ``chunk_size`` tokens each.
+
+MoE experts (one ``nn.Linear`` per expert projection, as the engine's skeleton has them) go into their stacked
+tensor's entry (``blk.N.ffn_{gate,up,down}_exps``), one row of sums and one count per expert over the
+tokens the router sent to it (llama-imatrix's ``GGML_OP_MUL_MAT_ID`` branch counts every (token, chosen
+expert) pair); an expert no token reached keeps a zero count, which llama-quantize reads as importance 1.
 """
 
 from __future__ import annotations
@@ -18,12 +23,12 @@ from typing import Callable
 import numpy as np
 import torch
 
-from compress.checkpoints.model_io import QUANTIZABLE_TYPES
+from compress.checkpoints.model_io import load_config, open_model, validate_model_dir
 from compress.engine.ranks import Ranks
 from compress.errors import CompressError
 from compress.formats.gguf.imatrix import Imatrix, ImatrixEntry, write_imatrix
 from compress.export.gguf_arch import ARCHITECTURES, expert_count
-from compress.formats.gguf.plan import gguf_name
+from compress.formats.gguf.plan import expert_index, gguf_name
 
 
 @dataclass(frozen=True)
@@ -44,25 +49,34 @@ def collect_imatrix(model, windows: torch.Tensor, process_output: bool = False,
     entries: dict[str, ImatrixEntry] = {}
     hooks = []
 
-    def hook(name):
+    n_expert = expert_count(model.config.to_dict())
+
+    def hook(name, expert: int | None):
         def accumulate(_module, args):
             x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
-            entry = entries.setdefault(name, ImatrixEntry(np.zeros(x.shape[1])))
-            entry.in_sum2 += (x * x).sum(dim=0).numpy()
-            entry.count += x.shape[0]
+            if expert is None:
+                entry = entries.setdefault(name, ImatrixEntry(np.zeros(x.shape[1])))
+                entry.in_sum2 += (x * x).sum(dim=0).numpy()
+                entry.count += x.shape[0]
+            else:  # created with all its rows when the hooks were set: every process holds it
+                entry = entries[name]
+                entry.in_sum2[expert] += (x * x).sum(dim=0).numpy()
+                entry.count[expert] += x.shape[0]
         return accumulate
 
     arch = ARCHITECTURES.get(model.config.model_type, "llama")
-    if expert_count(model.config.to_dict()) > 1:  # llama.cpp keeps one row of sums per expert; ours one per layer
-        raise CompressError("importance matrices of MoE experts are not supported yet: export with --method gptq or rtn")
     for module_name, module in model.named_modules():
-        if not isinstance(module, QUANTIZABLE_TYPES):  # nn.Linear, GPT-2's Conv1D
+        weight = getattr(module, "weight", None)  # linear layers, and routers that multiply by their weight
+        if not isinstance(weight, torch.Tensor) or weight.dim() != 2 or isinstance(module, torch.nn.Embedding):
             continue
         name = gguf_name(f"{module_name}.weight", arch)
-        if name is None or (name == "output.weight" and not process_output):
+        # llama-imatrix's filter: the blocks' matrices, and the output layer with --process-output
+        if name is None or not (name.startswith("blk.") or (name == "output.weight" and process_output)):
             continue
-
-        hooks.append(module.register_forward_pre_hook(hook(name)))
+        expert = expert_index(f"{module_name}.weight")
+        if expert is not None and name not in entries:
+            entries[name] = ImatrixEntry.experts(n_expert, module.in_features)  # experts are nn.Linear (UnfusedExperts)
+        hooks.append(module.register_forward_pre_hook(hook(name, expert)))
     try:
         with torch.inference_mode():
             for i in range(0, windows.shape[0], batch_size):
@@ -83,7 +97,11 @@ def run_imatrix(config: ImatrixConfig, progress: Callable[[str, int, int], None]
         raise CompressError(f"{config.output} exists: pass --overwrite to replace it, or choose another -o")
     start = time.perf_counter()
     windows = load_calibration(config.calib, load_tokenizer(config.model), config.samples, config.seq_len, config.seed)
-    model = load_model(config.model, torch.device("cpu")).eval()
+    validate_model_dir(config.model)
+    if expert_count(load_config(config.model).to_dict()) > 1:  # one nn.Linear per expert, so each expert's inputs are hooked
+        model = open_model(config.model).load_remaining()
+    else:
+        model = load_model(config.model, torch.device("cpu")).eval()
     on_step = (lambda d, t: progress("collecting activations", d, t)) if progress else None
     with Ranks.from_environment() as ranks:  # under a launcher: each process its share of the windows
         if windows.shape[0] < ranks.world:
@@ -102,7 +120,14 @@ def run_imatrix(config: ImatrixConfig, progress: Callable[[str, int, int], None]
 
 
 def combine_entries(entries: dict[str, ImatrixEntry], ranks: Ranks) -> None:
-    """Every entry's sums and counts over all processes' windows (float64 sums, as each process keeps them)."""
-    for entry in entries.values():
-        sums = ranks.sum_(torch.from_numpy(np.append(entry.in_sum2, float(entry.count))))
-        entry.in_sum2, entry.count = sums[:-1].numpy(), int(sums[-1].item())
+    """Every entry's sums and counts over all processes' windows (float64 sums, as each process keeps them).
+
+    Every process holds the same entries: the hooks create one for every named layer a window reaches, and
+    each process's share of windows reaches every dense layer; an expert entry is created with all its rows.
+    """
+    for name in sorted(entries):  # the same order on every process
+        entry = entries[name]
+        n = entry.n_mat
+        flat = ranks.sum_(torch.from_numpy(np.concatenate([entry.in_sum2.reshape(-1), entry.counts().astype(np.float64)])))
+        sums, counts = flat[:-n].numpy(), flat[-n:].round().to(torch.int64).numpy()
+        entry.in_sum2, entry.count = (sums, int(counts[0])) if n == 1 else (sums.reshape(n, -1), counts)

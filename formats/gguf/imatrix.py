@@ -4,8 +4,11 @@ Layout (llama.cpp ``tools/imatrix/imatrix.cpp`` writer, ``common/imatrix-loader.
 KV ``general.type = "imatrix"``, ``imatrix.datasets`` (string[]), ``imatrix.chunk_count`` (u32),
 ``imatrix.chunk_size`` (u32); for every weight, named by its GGUF tensor name ``W``, two F32 tensors:
 ``W.in_sum2`` with ``ne = [in_features, n_mat]`` (the sum over all tokens of each input activation
-squared) and ``W.counts`` with ``ne = [1, n_mat]`` (tokens seen); ``n_mat`` is 1 for dense weights.
-``llama-quantize`` uses ``in_sum2 / counts`` (1 where the count is 0) as the per-column importance.
+squared) and ``W.counts`` with ``ne = [1, n_mat]`` (tokens seen); ``n_mat`` is 1 for dense weights and
+the number of experts for MoE expert tensors (``ffn_*_exps``: one row of sums per expert, over the tokens the
+router sent to it, and one count per expert, ``llama-imatrix``'s ``GGML_OP_MUL_MAT_ID`` branch).
+``llama-quantize`` uses ``in_sum2 / counts`` (1 where the count is 0) as the per-column importance, row by
+row: expert ``e`` of a stacked tensor is rounded with row ``e``.
 """
 
 from __future__ import annotations
@@ -21,14 +24,38 @@ from compress.formats.gguf.writer import atomic_gguf_writer
 
 @dataclass
 class ImatrixEntry:
-    in_sum2: np.ndarray  # [in_features] float64 accumulators
-    count: int = 0
+    """One weight's sums: dense ``in_sum2 [in_features]`` with an int ``count``, or MoE experts'
+    ``in_sum2 [n_expert, in_features]`` with ``count [n_expert]`` (float64 sums, integer counts)."""
 
-    def importance(self) -> np.ndarray:
-        """Mean squared activation per input column (llama-quantize's ``load_imatrix``)."""
-        if self.count <= 0:
-            return np.ones_like(self.in_sum2, dtype=np.float32)
-        return (self.in_sum2.astype(np.float32) / np.float32(self.count)).astype(np.float32)
+    in_sum2: np.ndarray
+    count: int | np.ndarray = 0
+
+    @classmethod
+    def experts(cls, n_expert: int, in_features: int) -> "ImatrixEntry":
+        return cls(np.zeros((n_expert, in_features)), np.zeros(n_expert, dtype=np.int64))
+
+    @property
+    def n_mat(self) -> int:
+        """1 for a dense weight, the number of experts for a stacked expert tensor."""
+        return 1 if self.in_sum2.ndim == 1 else self.in_sum2.shape[0]
+
+    def counts(self) -> np.ndarray:
+        """``[n_mat]`` token counts."""
+        return np.atleast_1d(np.asarray(self.count, dtype=np.int64))
+
+    def importance(self, expert: int | None = None) -> np.ndarray:
+        """Mean squared activation per input column (llama-quantize's ``load_imatrix``), float32 ``[in_features]``:
+        of the dense weight, or (``expert``) of that expert's row; all ones where no token was seen."""
+        if (expert is None) != (self.n_mat == 1):
+            raise CompressError(f"an imatrix entry with {self.n_mat} matrices used for "
+                                f"{'a dense weight' if expert is None else f'expert {expert}'}: the imatrix was made for another model")
+        row = 0 if expert is None else expert
+        if row >= self.n_mat:
+            raise CompressError(f"the imatrix entry has {self.n_mat} experts, not {row + 1}: it was made for another model")
+        sums, count = np.atleast_2d(self.in_sum2)[row], self.counts()[row]
+        if count <= 0:
+            return np.ones_like(sums, dtype=np.float32)
+        return (sums.astype(np.float32) / np.float32(count)).astype(np.float32)
 
 
 @dataclass
@@ -49,15 +76,16 @@ def write_imatrix(path: Path, imatrix: Imatrix) -> None:
         writer.add_uint32("imatrix.chunk_size", imatrix.chunk_size)
         for name in sorted(imatrix.entries):
             entry = imatrix.entries[name]
-            writer.add_tensor(f"{name}.in_sum2", entry.in_sum2.astype(np.float32).reshape(1, -1))
-            writer.add_tensor(f"{name}.counts", np.array([[entry.count]], dtype=np.float32))
+            sums = np.atleast_2d(entry.in_sum2).astype(np.float32)  # numpy [n_mat, in] is ne = [in, n_mat]
+            writer.add_tensor(f"{name}.in_sum2", sums)
+            writer.add_tensor(f"{name}.counts", entry.counts().astype(np.float32).reshape(-1, 1))
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_tensors_to_file()
 
 
 def read_imatrix(path: Path) -> Imatrix:
-    """Read a GGUF imatrix file (dense entries; MoE entries with several matrices are refused)."""
+    """Read a GGUF imatrix file (dense entries and MoE experts' entries with one row per expert)."""
     from gguf import GGUFReader
 
     if not path.is_file():
@@ -77,7 +105,11 @@ def read_imatrix(path: Path) -> Imatrix:
             continue
         base = name[: -len(".in_sum2")]
         counts = tensors.get(f"{base}.counts")
-        if counts is None or counts.size != 1:
-            raise CompressError(f"{path}: entry {base} has {0 if counts is None else counts.size} counts; only dense (non-MoE) weights are supported")
-        out.entries[base] = ImatrixEntry(sums.reshape(-1).astype(np.float64), int(round(float(counts.reshape(-1)[0]))))
+        if counts is None or counts.size == 0 or sums.size % counts.size:
+            raise CompressError(f"{path}: entry {base} has {sums.size} sums and {0 if counts is None else counts.size} counts, "
+                                "not a whole row per count: the file is damaged, collect it again")
+        n_mat = counts.size
+        rounded = np.rint(counts.reshape(-1).astype(np.float64)).astype(np.int64)  # llama.cpp's lround
+        sums64 = sums.reshape(n_mat, -1).astype(np.float64)
+        out.entries[base] = (ImatrixEntry(sums64[0], int(rounded[0])) if n_mat == 1 else ImatrixEntry(sums64, rounded))
     return out

@@ -105,6 +105,15 @@ def test_two_processes_share_moe_experts(tmp_path, tiny_tokenizer):
     _compare_one_and_two(["quantize", "--method", "gptq", "--group-size", "32", *CALIB], model, tmp_path)
 
 
+def test_two_processes_collect_one_moe_imatrix(tmp_path, tiny_tokenizer):
+    """MoE importance matrices (one row and one count per expert) summed over 2 processes' windows: the file
+    one process writes."""
+    from architectures import save_architecture
+
+    model = save_architecture("mixtral", tmp_path / "mixtral", tiny_tokenizer)
+    _compare_one_and_two(["imatrix", *CALIB], model, tmp_path)
+
+
 def _compare_one_and_two(argv: list[str], model: Path, tmp_path: Path) -> None:
     suffix = ".gguf" if argv[0] in FILE_OUTPUTS else ""
     one, two = tmp_path / f"one{suffix}", tmp_path / f"two{suffix}"

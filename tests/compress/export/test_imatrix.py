@@ -86,3 +86,63 @@ def test_reading_something_else_is_a_clear_error(tmp_path):
     bad.write_bytes(b"not a gguf file at all")
     assert "imatrix" in one_line_error(read_imatrix, bad)
     assert "does not exist" in one_line_error(read_imatrix, tmp_path / "missing.gguf")
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
+def test_moe_experts_have_one_row_per_expert_over_their_routed_tokens(tmp_path, tiny_tokenizer, model_type):
+    """llama-imatrix's MUL_MAT_ID branch: a stacked expert tensor's entry holds, for each expert, the sum of
+    x² over the tokens the router sent to it and their count. Reference: transformers' own fused model, its
+    experts module's inputs and top-k routing captured by a hook, the expert MLP computed from the fused
+    ``gate_up_proj`` by hand (for ``ffn_down_exps``)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.activations import ACT2FN
+
+    from architectures import save_architecture
+    from compress.checkpoints.model_io import open_model
+
+    path = save_architecture(model_type, tmp_path / "moe", tiny_tokenizer)
+    fused = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ids = torch.randint(0, len(tiny_tokenizer), (3, 24), generator=torch.Generator().manual_seed(2))
+    seen = {}
+    for i, layer in enumerate(fused.model.layers):
+        layer.mlp.experts.register_forward_pre_hook(lambda _m, args, i=i: seen.setdefault(i, []).append((args[0], args[1])))
+    with torch.inference_mode():
+        fused(ids)
+    entries = collect_imatrix(open_model(path).load_remaining(), ids)  # as run_imatrix loads an MoE: one nn.Linear per expert
+    n_expert, act = fused.config.num_experts if model_type == "qwen2_moe" else fused.config.num_local_experts, ACT2FN[fused.config.hidden_act]
+    for i, layer in enumerate(fused.model.layers):
+        (hidden, top_k), = seen[i]
+        gate_up = layer.mlp.experts.gate_up_proj.detach().double()
+        want = {role: np.zeros((n_expert, width)) for role, width in (("gate", hidden.shape[1]), ("down", gate_up.shape[1] // 2))}
+        counts = np.zeros(n_expert, dtype=np.int64)
+        for e in range(n_expert):
+            x = hidden[(top_k == e).any(-1)].double()
+            counts[e] = int((top_k == e).sum())
+            gate, up = (x @ gate_up[e].t()).chunk(2, dim=-1)
+            want["gate"][e], want["down"][e] = (x * x).sum(0).numpy(), ((act(gate) * up) ** 2).sum(0).numpy()
+        assert counts.sum() == ids.numel() * fused.config.num_experts_per_tok and (counts > 0).all()
+        for role, reference in (("gate", want["gate"]), ("up", want["gate"]), ("down", want["down"])):
+            entry = entries[f"blk.{i}.ffn_{role}_exps.weight"]
+            assert entry.in_sum2.shape == reference.shape and entry.n_mat == n_expert
+            np.testing.assert_array_equal(entry.counts(), counts)
+            np.testing.assert_allclose(entry.in_sum2, reference, rtol=1e-5)
+        assert entries[f"blk.{i}.ffn_gate_inp.weight"].count == ids.numel()  # the router: a dense entry, every token
+
+
+def test_moe_entry_file_layout_is_llama_cpps(tmp_path):
+    """An expert entry is written as llama-imatrix writes it (in_sum2 ne = [in, n_expert], counts ne = [1, n_expert])
+    and read back per expert as llama-quantize's load_imatrix does: sums / count, all ones for an expert no token reached."""
+    from gguf import GGUFReader
+
+    sums, counts = np.arange(12, dtype=np.float64).reshape(3, 4) + 1, np.array([2, 0, 5])
+    path = tmp_path / "moe.gguf"
+    write_imatrix(path, Imatrix({"blk.0.ffn_up_exps.weight": ImatrixEntry(sums, counts)}, ["c.txt"], 1, 8))
+    tensors = {t.name: t for t in GGUFReader(str(path)).tensors}
+    assert list(tensors["blk.0.ffn_up_exps.weight.in_sum2"].shape) == [4, 3]
+    assert list(tensors["blk.0.ffn_up_exps.weight.counts"].shape) == [1, 3]
+    back = read_imatrix(path).entries["blk.0.ffn_up_exps.weight"]
+    np.testing.assert_array_equal(back.importance(0), (sums[0] / 2).astype(np.float32))
+    np.testing.assert_array_equal(back.importance(1), np.ones(4, dtype=np.float32))
+    np.testing.assert_array_equal(back.importance(2), (sums[2] / 5).astype(np.float32))
+    assert "another model" in one_line_error(back.importance)  # a stacked entry for a dense weight
+    assert "another model" in one_line_error(back.importance, 3)

@@ -258,14 +258,39 @@ def test_moe_llama_cpp_cannot_run_is_refused(tmp_path, tiny_tokenizer, overrides
     assert words in msg and not (tmp_path / "x.gguf").exists()
 
 
-def test_moe_importance_matrix_is_refused(tmp_path, tiny_tokenizer):
-    from architectures import save_architecture
-    from compress.checkpoints.loading import load_model
-    from compress.export.imatrix import collect_imatrix
+def test_moe_experts_are_rounded_with_their_own_imatrix_rows(tmp_path, tiny_tokenizer):
+    """llama-quantize rounds expert e of a stacked tensor with row e of its imatrix entry: each expert's slice
+    of ``ffn_gate_exps`` is that expert's weight encoded with its own row (and not with another's); an
+    imatrix whose rows do not fit the tensor is a one-line error, as in llama-quantize."""
+    from gguf import GGUFReader
 
-    model = save_architecture("mixtral", tmp_path / "moe", tiny_tokenizer)
-    loaded = load_model(model, torch.device("cpu"))  # as `compress imatrix` loads it: one linear layer per expert
-    assert "MoE experts" in one_line_error(collect_imatrix, loaded, torch.zeros(1, 8, dtype=torch.long))
+    from architectures import save_architecture
+    from compress.checkpoints.model_io import CheckpointReader, open_model
+    from compress.export.imatrix import collect_imatrix
+    from compress.formats.gguf.codecs import encode_tensor
+    from compress.formats.gguf.imatrix import Imatrix, ImatrixEntry, write_imatrix
+    from compress.formats.gguf.sizes import GGMLType
+
+    model = save_architecture("qwen2_moe", tmp_path / "moe", tiny_tokenizer)
+    ids = torch.randint(0, len(tiny_tokenizer), (4, 32), generator=torch.Generator().manual_seed(3))
+    entries = collect_imatrix(open_model(model).load_remaining(), ids)
+    imatrix = tmp_path / "im.gguf"
+    write_imatrix(imatrix, Imatrix(entries, ["random"], 4, 32))
+    out = tmp_path / "x.gguf"
+    export_gguf(ExportConfig(model, out, Target.q4_0, imatrix=imatrix))
+    stacked = next(t for t in GGUFReader(str(out)).tensors if t.name == "blk.1.ffn_gate_exps.weight")
+    assert stacked.tensor_type.name == "Q4_0"
+    written = np.asarray(stacked.data).reshape(4, -1)
+    entry, reader = entries["blk.1.ffn_gate_exps.weight"], CheckpointReader(model)
+    for e in range(4):
+        w = reader.get(f"model.layers.1.mlp.experts.{e}.gate_proj.weight").float().numpy()
+        own = encode_tensor(w, GGMLType.Q4_0, entry.importance(e)).reshape(-1)
+        other = encode_tensor(w, GGMLType.Q4_0, entry.importance((e + 1) % 4)).reshape(-1)
+        assert (written[e] == own).all() and (own != other).any()
+    entries["blk.0.ffn_up_exps.weight"] = ImatrixEntry(np.ones((2, 64)), np.ones(2, dtype=np.int64))  # 2 experts, not 4
+    write_imatrix(imatrix, Imatrix(entries, ["random"], 4, 32))
+    msg = one_line_error(export_gguf, ExportConfig(model, tmp_path / "y.gguf", Target.q4_0, imatrix=imatrix))
+    assert "blk.0.ffn_up_exps.weight" in msg and "another model" in msg and not (tmp_path / "y.gguf").exists()
 
 
 def test_unsupported_architecture_is_a_clear_error(tmp_path, tiny_tokenizer):
