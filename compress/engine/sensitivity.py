@@ -208,16 +208,24 @@ def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
     return next((n for n, m in model.named_modules() if m is module), None) if module is not None else None
 
 
-def _kld_sum(reference: torch.Tensor, x: torch.Tensor, w_ref: torch.Tensor, w: torch.Tensor) -> float:
-    """Σ_t KL(softmax(reference_t w_refᵀ) ‖ softmax(x_t wᵀ)) over the token vectors, in chunks."""
-    total = 0.0
-    ref_rows, rows = reference.reshape(-1, reference.shape[-1]), x.reshape(-1, x.shape[-1])
-    for start in range(0, ref_rows.shape[0], KLD_CHUNK):
-        # float64 softmax: small KLDs are differences of nearly equal log-probabilities
-        p = (ref_rows[start : start + KLD_CHUNK].float() @ w_ref.t()).double().log_softmax(-1)
-        q = (rows[start : start + KLD_CHUNK].float() @ w.t()).double().log_softmax(-1)
-        total += float((p.exp() * (p - q)).sum())
-    return total
+def _kld_sums(reference: list[torch.Tensor], w_ref: torch.Tensor,
+              compared: dict[object, tuple[Callable[[int], torch.Tensor], torch.Tensor]]) -> dict[object, float]:
+    """Σ_t KL(softmax(reference_t w_refᵀ) ‖ softmax(x_t wᵀ)) over the token vectors of every batch, for each
+    ``key: (x, w)`` of ``compared`` (``x(i)``: batch i's vectors), in chunks; each reference chunk's
+    log-probabilities are computed once for all the comparisons (the vocabulary-wide softmax is the cost)."""
+    totals = dict.fromkeys(compared, 0.0)
+    for i, ref in enumerate(reference):
+        ref_rows = ref.reshape(-1, ref.shape[-1])
+        rows = {key: x(i).reshape(-1, ref.shape[-1]) for key, (x, _) in compared.items()}
+        for start in range(0, ref_rows.shape[0], KLD_CHUNK):
+            chunk = slice(start, start + KLD_CHUNK)
+            # float64 softmax: small KLDs are differences of nearly equal log-probabilities
+            p = (ref_rows[chunk].float() @ w_ref.t()).double().log_softmax(-1)
+            probs = p.exp()
+            for key, (_, w) in compared.items():
+                q = (rows[key][chunk].float() @ w.t()).double().log_softmax(-1)
+                totals[key] += float((probs * (p - q)).sum())
+    return totals
 
 
 def measure_sensitivity(
@@ -284,6 +292,10 @@ def measure_sensitivity(
         def add(self, name, tensor):
             pass
 
+    # the output side is read after every block has run: a checkpoint that lacks it fails now, not then
+    norm_name = FINAL_NORMS.get(handle.config.model_type)
+    for name in (f"{embed_name if tied else head_name}.weight", *([f"{norm_name}.weight"] if norm_name else [])):
+        handle.checkpoint_key(name)
     result = engine.run(_Discard(), calibration)
     run = SensitivityRun(measure.measured, tokens=int(calibration.numel()))
     output = _Output(embed_name, head_name, tied, embed_weight, embed_q, head_name in layers or bool(tied and embed_q))
@@ -317,6 +329,7 @@ def _finish(handle, run, streams, embed_streams, final_hidden, candidates, setti
         with torch.inference_mode():
             clean = [norm(h) for h in final_hidden]
             head_q: dict[str, torch.Tensor] = {}
+            hessian = None
             if out.measure_head:
                 if tied:
                     head_q = dict(embed_q)
@@ -327,20 +340,28 @@ def _finish(handle, run, streams, embed_streams, final_hidden, candidates, setti
                     hessian = stats.result()[Stat.HESSIAN]
                     for c in candidates:
                         head_q[c.name] = quantize_with(c, w_head, hessian, settings)
+            compared = {}
+            for c in candidates:
+                if c.name in head_q:  # the output layer alone: clean inputs, quantized head
+                    compared["head", c.name] = (clean.__getitem__, head_q[c.name])
+                if embed_q:  # the embeddings alone: their perturbed stream, clean head
+                    compared["embed", c.name] = (lambda i, s=embed_streams[c.name]: norm(s[i]), w_head)
+                compared["uniform", c.name] = (lambda i, s=streams[c.name]: norm(s[i]), head_q.get(c.name, w_head))
+            totals = {key: total / run.tokens for key, total in _kld_sums(clean, w_head, compared).items()}
+            if head_q:
                 key = embed_name if tied else head_name  # GGUF stores tied weights once, as the embeddings
                 figures = run.layers.setdefault(key, {})
                 for c in candidates:
                     size, stored = sizes[key][c.name]
-                    kld = sum(_kld_sum(x, x, w_head, head_q[c.name]) for x in clean) / run.tokens
                     error, rel = (None, None) if tied else layer_error(w_head, head_q[c.name], hessian)
-                    figures[c.name] = Measured(size, stored, error, rel, None, kld)
+                    figures[c.name] = Measured(size, stored, error, rel, None, totals["head", c.name])
             if embed_q:
                 figures = run.layers.setdefault(embed_name, {})
                 first = [embed_weight[b.to(device)] for b in batches]
                 for c in candidates:
                     perturbed = [h + (embed_q[c.name][b.to(device)] - embed_weight[b.to(device)]) for h, b in zip(first, batches)]
                     residual = relative_error(perturbed, first)
-                    kld = sum(_kld_sum(x, norm(s), w_head, w_head) for x, s in zip(clean, embed_streams[c.name])) / run.tokens
+                    kld = totals["embed", c.name]
                     if c.name in figures:  # tied: measured as the output layer too; both effects add
                         figures[c.name].residual_error = residual
                         figures[c.name].kld += kld
@@ -348,9 +369,7 @@ def _finish(handle, run, streams, embed_streams, final_hidden, candidates, setti
                         size, stored = sizes[embed_name][c.name]
                         figures[c.name] = Measured(size, stored, None, None, residual, kld)
             for c in candidates:
-                w = head_q.get(c.name, w_head)
-                total = sum(_kld_sum(x, norm(s), w_head, w) for x, s in zip(clean, streams[c.name]))
-                run.uniform_kld[c.name] = total / run.tokens
+                run.uniform_kld[c.name] = totals["uniform", c.name]
     finally:
         handle.release(norm)
     if not np.isfinite(list(run.uniform_kld.values())).all():

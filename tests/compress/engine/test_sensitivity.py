@@ -191,3 +191,28 @@ def test_embedding_sizes_are_those_the_gguf_file_writes(tiny_llama, calibration,
         tensors = {t.name: t for t in gguf.GGUFReader(export_gguf(config).output).tensors}
         written[name] = (int(tensors["token_embd.weight"].n_bytes), tensors["token_embd.weight"].tensor_type.name.lower())
     assert {c: (m.bytes, m.stored) for c, m in run.layers["model.embed_tokens"].items()} == written
+
+
+def test_a_checkpoint_without_its_output_side_fails_before_any_block(tiny_llama, calibration, tmp_path):
+    """The output layer and final norm are read after every block has run: one missing is a one-line error
+    before the first block is measured, not after the last."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from compress.errors import CompressError
+
+    broken = tmp_path / "no-head"
+    shutil.copytree(tiny_llama, broken)
+    (weights,) = broken.glob("*.safetensors")
+    tensors = load_file(weights)
+    assert "lm_head.weight" in tensors  # untied
+    del tensors["lm_head.weight"]
+    save_file(tensors, weights, metadata={"format": "pt"})
+    handle = open_model(broken)
+    layers = quantizable_layers(handle.model, [handle.block_name(i) for i in range(len(handle.blocks))])
+    measured = []
+    with pytest.raises(CompressError, match="lm_head.weight"):
+        measure_sensitivity(handle, calibration, parse_candidates("w4g64"), layers, RTN, batch_size=2,
+                            on_layer=lambda *a, **k: measured.append(a))
+    assert measured == []
