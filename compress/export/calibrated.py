@@ -58,12 +58,14 @@ OUTPUT_LAYER = "lm_head"  # the llama-family output layer (GGUF output.weight)
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)  # written as they are: nothing to solve
 
 
-def solve_output_layer(handle, norm_name: str, hidden: list[torch.Tensor], solver: GGUFGPTQ, device, ranks: Ranks) -> list[LayerReport]:
+def solve_output_layer(handle, norm_name: str, hidden: list[torch.Tensor], solver: GGUFGPTQ, device, ranks: Ranks,
+                       weight_of: str = OUTPUT_LAYER) -> list[LayerReport]:
     """GPTQ on the output layer, its Hessian from ``norm(hidden)`` (the final norm of the last block's
-    outputs, of every process): the only layer outside the blocks with an input to calibrate on."""
+    outputs, of every process): the only layer outside the blocks with an input to calibrate on. Its weight
+    is read as ``weight_of``'s (the input embeddings' when tied)."""
     norm, layer = handle.model.get_submodule(norm_name), handle.model.get_submodule(OUTPUT_LAYER)
     handle.materialize(norm, norm_name, device, torch.float32)
-    handle.materialize(layer, OUTPUT_LAYER, device, torch.float32, only={"weight"})
+    handle.materialize(layer, weight_of, device, torch.float32, only={"weight"})
     try:
         stats = InputStatistics(layer.in_features, solver.needs, device)
         with torch.inference_mode():
@@ -74,6 +76,15 @@ def solve_output_layer(handle, norm_name: str, hidden: list[torch.Tensor], solve
     finally:
         handle.release(norm)
         handle.release(layer, only={"weight"})
+
+
+def _tied_embeddings(handle) -> str | None:
+    """The input embeddings' module name when the output layer shares their weight (one GGUF tensor)."""
+    head = handle.model.get_output_embeddings()
+    if not handle.head_is_tied() or head is None or dict(handle.model.named_modules()).get(OUTPUT_LAYER) is not head:
+        return None
+    embeddings = handle.model.get_input_embeddings()
+    return next(n for n, m in handle.model.named_modules() if m is embeddings)
 
 
 def layer_types(model: Path, config: ExportConfig) -> dict[str, GGMLType]:
@@ -115,6 +126,12 @@ def export_calibrated(
     disk = {n: handle.disk_name(f"{n}.weight").removesuffix(".weight") for n in quantizable_layers(handle.model, blocks)}
     layers = {n: m for n, m in quantizable_layers(handle.model, blocks).items() if disk[n] in stored}
     types = {n: stored[disk[n]] for n in layers} | {n: k for n, k in stored.items() if n == OUTPUT_LAYER}
+    embed = _tied_embeddings(handle)  # the output layer is the embeddings: one GGUF tensor, solved as the output
+    if embed is not None and (gptq is None or gptq.tied_output) and handle.disk_name(f"{embed}.weight").removesuffix(".weight") in stored:
+        types[OUTPUT_LAYER] = stored[handle.disk_name(f"{embed}.weight").removesuffix(".weight")]
+        disk[OUTPUT_LAYER] = handle.disk_name(f"{embed}.weight").removesuffix(".weight")  # its bytes are token_embd's
+    else:
+        embed = None
     device = resolve_device(device)
     head, solver, stages = None, None, []
     if method.scales:
@@ -137,7 +154,7 @@ def export_calibrated(
         with ranks:
             run = engine.run(writer, windows)
             if head is not None:
-                run.layers += solve_output_layer(handle, head, run.final_hidden, solver, device, ranks)
+                run.layers += solve_output_layer(handle, head, run.final_hidden, solver, device, ranks, embed or OUTPUT_LAYER)
         return run
 
     def encoded_by_disk_name():  # GPTQ's bytes, under the names the writer reads the checkpoint by

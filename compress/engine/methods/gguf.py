@@ -29,6 +29,8 @@ from compress.quantizers.gguf_gptq import GGUFGPTQConfig, gguf_gptq
 class GGUFGPTQMethodConfig(SolverConfig):  # block_size is rounded up to whole GGML blocks
     weighted_fit: bool = Field(True, description="fit each block's grid with the Hessian diagonal as importance")
     output_layer: bool = Field(True, description="also solve the output layer (lm_head) on the quantized model's final hidden states")
+    tied_output: bool = Field(True, description="with tied embeddings, solve their one GGUF tensor as the output layer "
+                                                "(the lookup then reads GPTQ's rows)")
 
 
 class GGUFGPTQ(HessianMethod):
