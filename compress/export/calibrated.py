@@ -8,7 +8,8 @@ does, with one of the GGUF methods of `compress.engine.methods.gguf` given the t
   its bytes go to the GGUF writer as they are, so the file holds the calibrated result rather than a
   re-rounding of it. The output layer (an untied ``lm_head``) is solved too, on the final norm of the
   quantized blocks' outputs (`compress.checkpoints.architecture.FINAL_NORMS`); the token embeddings, a lookup with
-  no input statistics, get ggml's rounding.
+  no input statistics, get ggml's rounding, unless they are tied to the output layer: then their one tensor is
+  solved as the output layer (``tied_output``) and the lookup reads GPTQ's rows.
 - ``awq``: AWQ's scales are searched against each layer's GGML round trip and folded into the norms
   and linears; the scaled checkpoint is then written by ggml's rounding.
 - ``awq-gptq``: both, as two engine stages per block: AWQ's scales, then GPTQ on the scaled layers.
