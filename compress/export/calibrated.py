@@ -127,10 +127,10 @@ def export_calibrated(
     disk = {n: handle.disk_name(f"{n}.weight").removesuffix(".weight") for n in quantizable_layers(handle.model, blocks)}
     layers = {n: m for n, m in quantizable_layers(handle.model, blocks).items() if disk[n] in stored}
     types = {n: stored[disk[n]] for n in layers} | {n: k for n, k in stored.items() if n == OUTPUT_LAYER}
-    embed = _tied_embeddings(handle)  # the output layer is the embeddings: one GGUF tensor, solved as the output
-    if embed is not None and (gptq is None or gptq.tied_output) and handle.disk_name(f"{embed}.weight").removesuffix(".weight") in stored:
-        types[OUTPUT_LAYER] = stored[handle.disk_name(f"{embed}.weight").removesuffix(".weight")]
-        disk[OUTPUT_LAYER] = handle.disk_name(f"{embed}.weight").removesuffix(".weight")  # its bytes are token_embd's
+    embed = _tied_embeddings(handle) if method.solves and (gptq is None or gptq.tied_output) else None
+    embed_disk = handle.disk_name(f"{embed}.weight").removesuffix(".weight") if embed is not None else None
+    if embed_disk in stored:  # the output layer is the embeddings: one GGUF tensor, solved as the output layer
+        types[OUTPUT_LAYER], disk[OUTPUT_LAYER] = stored[embed_disk], embed_disk  # its bytes are token_embd's
     else:
         embed = None
     device = resolve_device(device)
