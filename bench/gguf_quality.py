@@ -1,7 +1,7 @@
 """Quality of our GGUF export methods next to llama.cpp's quantizer, per type, on one model.
 
     python bench/gguf_quality.py [--model eval/assets/reference-llama] [--types q4_k q3_k q2_k iq4_xs ...]
-        [--methods llama.cpp llama.cpp+imatrix rtn imatrix gptq awq awq-gptq] [--samples 64] [--seq-len 512]
+        [--methods llama.cpp llama.cpp+imatrix rtn imatrix gptq gptq-asymmetric awq awq-gptq] [--samples 64] [--seq-len 512]
         [--calib eval/assets/shakespeare-calib-slice.txt] [--text eval/assets/shakespeare-test-slice.txt]
         [--rounded-input] [--workdir DIR] [--json PATH] [--plan sensitivity.json] [--report DIR]
 
@@ -12,7 +12,8 @@ file in which every matrix has that type (token_embd and output included), or fo
 - ``llama.cpp+imatrix``: the built ``llama-quantize [--pure] --imatrix`` of the F16 file, the imatrix from
   the built ``llama-imatrix`` on the F16 file over the first ``samples`` windows of ``seq-len`` tokens of
   the calibration text (no BOS: the file's ``add_bos_token`` is false);
-- ``rtn``, ``imatrix``, ``gptq``, ``awq``, ``awq-gptq``: ``compress export --method M`` (the calibrated ones with
+- ``rtn``, ``imatrix``, ``gptq``, ``awq``, ``awq-gptq``: ``compress export --method M`` (``gptq-asymmetric``: ``--method
+  gptq -O asymmetric=true``; the calibrated ones with
   ``--calib TEXT --samples N --seq-len L``: ``samples`` random windows of the same text, seed 0, so the
   same number of calibration tokens as llama-imatrix, not the same windows). Methods our CLI rejects
   (exit status 2, e.g. not implemented yet) are skipped with a note.
@@ -48,7 +49,8 @@ from compress.eval.report import GGUFBackend, Protocol, evaluate_outputs
 from compress.eval.report_render import write_report
 from compress.formats.gguf.plan import FILE_TYPE, PRESETS, Target
 
-OURS = ["rtn", "imatrix", "gptq", "awq", "awq-gptq", "gptq+plan"]
+OURS = ["rtn", "imatrix", "gptq", "gptq-asymmetric", "awq", "awq-gptq", "gptq+plan"]
+VARIANTS = {"gptq-asymmetric": ("gptq", ["-O", "asymmetric=true"])}  # a method of our CLI with settings
 METHODS = ["llama.cpp", "llama.cpp+imatrix", *OURS]
 LABELS = {"llama.cpp": "llama.cpp", "llama.cpp+imatrix": "llama.cpp + imatrix", **{m: f"ours {m}" for m in OURS},
           "gptq+plan": "ours gptq, allocated"}
@@ -90,7 +92,8 @@ def with_llama_cpp_imatrix(setup: Setup, kind: str, dst: Path) -> None:
 
 def with_ours(method: str) -> Callable[[Setup, str, Path], None]:
     def write(setup: Setup, kind: str, dst: Path) -> None:
-        ours_export(setup.model, dst, kind, method, *(setup.calib_options() if method != "rtn" else []))
+        cli_method, settings = VARIANTS.get(method, (method, []))
+        ours_export(setup.model, dst, kind, cli_method, *(setup.calib_options() if method != "rtn" else []), *settings)
 
     return write
 

@@ -25,6 +25,7 @@ from compress.cli.options import (
     EXCLUDE_OPT,
     FORMAT_OPT,
     JSON_OPT,
+    parse_options,
     MODEL_ARG,
     OUTPUT_OPT,
     OVERWRITE_OPT,
@@ -87,25 +88,11 @@ def _execute(recipe, as_json: bool) -> None:
     console.print(key_value_table("summary", rows))
 
 
-def _parse_options(options: list[str]) -> dict[str, Any]:
-    import yaml
-
-    from compress.errors import CompressError
-
-    parsed = {}
-    for item in options:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise CompressError(f"option {item!r} is not KEY=VALUE: write e.g. -O act_order=true")
-        parsed[key.strip()] = yaml.safe_load(value)
-    return parsed
-
-
 def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
     """Build the one-stage recipe of a compressing command from its options, and run it."""
     data: dict[str, Any] = {
         "model": args["model"],
-        "stages": [{**stage, "include": args["include"], "exclude": args["exclude"], **_parse_options(args["option"])}],
+        "stages": [{**stage, "include": args["include"], "exclude": args["exclude"], **parse_options(args["option"])}],
         "output": {
             "path": args["output"],
             "overwrite": args["overwrite"],

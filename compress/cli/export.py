@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from compress.cli.measure import MAX_KLD_OPT, TARGET_BPW_OPT, TARGET_SIZE_OPT
-from compress.cli.options import DEVICE_OPT, JSON_OPT, MODEL_ARG, SAMPLES_OPT, SEQ_LEN_OPT
+from compress.cli.options import DEVICE_OPT, JSON_OPT, MODEL_ARG, SAMPLES_OPT, SEQ_LEN_OPT, parse_options
 from compress.cli.console import command_line, console, human_bytes, key_value_table, launched_rank, print_json, progress_bars, user_errors
 
 
@@ -39,6 +39,9 @@ def export_command(
     target_size: Optional[str] = TARGET_SIZE_OPT,
     target_bpw: Optional[float] = TARGET_BPW_OPT,
     max_kld: Optional[float] = MAX_KLD_OPT,
+    option: list[str] = typer.Option(
+        [], "-O", "--option", help="GPTQ/AWQ setting KEY=VALUE, e.g. -O asymmetric=true or -O damp=0.1 (see `compress methods`).",
+    ),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Export a llama/mistral/qwen2 checkpoint to a single file that llama.cpp runs (GGUF)."""
@@ -68,6 +71,13 @@ def export_command(
         raise CompressError("--method imatrix needs exactly one of --imatrix FILE or --calib TEXT")
     if kind.calibrated and calib is None:
         raise CompressError(f"--method {kind.value} needs calibration text: add --calib PATH")
+    if option and not kind.calibrated:
+        raise CompressError(f"-O sets GPTQ/AWQ settings; --method {kind.value} has none: drop -O")
+    settings = {}
+    if kind.calibrated:
+        from compress.export.calibrated import method_configs
+
+        settings = dict(zip(("gptq", "awq"), method_configs(kind, parse_options(option))))
     check_output(ExportConfig(model, output, target, overwrite))  # before a GGUF input's conversion
     named = model  # what the file's provenance records, not a GGUF input's scratch conversion
     with progress_bars(not as_json) as progress, tempfile.TemporaryDirectory() as scratch, checkpoint_source(model, progress) as model:
@@ -85,7 +95,8 @@ def export_command(
             from compress.export.calibrated import export_calibrated
             from compress.checkpoints.calibration import CalibrationSpec
 
-            result = export_calibrated(config, kind, CalibrationSpec(path=calib, samples=samples, seq_len=seq_len), progress, device=device)
+            result = export_calibrated(config, kind, CalibrationSpec(path=calib, samples=samples, seq_len=seq_len), progress, device=device,
+                                       **settings)
         else:
             if calib is not None:
                 from compress.export.imatrix import ImatrixConfig, run_imatrix

@@ -1,5 +1,7 @@
 """Typer options shared by the `compress` commands, in one place so every command spells them alike."""
 
+from typing import Any
+
 import typer
 
 JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON on stdout instead of tables.")
@@ -25,3 +27,18 @@ FORMAT_OPT = typer.Option(
     "compressed-tensors", "--format",
     help="How quantized layers are stored: compressed-tensors or gptq (packed), or fake (dense, dequantized).",
 )
+
+
+def parse_options(options: list[str]) -> dict[str, Any]:
+    """``-O KEY=VALUE`` method settings as a mapping, each value read as YAML (``true``, ``0.1``, ``[1, 2]``)."""
+    import yaml
+
+    from compress.errors import CompressError
+
+    parsed = {}
+    for item in options:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CompressError(f"option {item!r} is not KEY=VALUE: write e.g. -O act_order=true")
+        parsed[key.strip()] = yaml.safe_load(value)
+    return parsed

@@ -82,6 +82,12 @@ class Activations:
         for index in range(len(self._entries)):
             yield self[index]
 
+    def copy(self, into: "Activations") -> "Activations":
+        """``into`` with every batch of this store appended (hidden states in memory are shared, not copied)."""
+        for entry in self:
+            into.append(*entry)
+        return into
+
     @property
     def spilled_bytes(self) -> int:
         return sum(h.nbytes for h, _, _ in self._entries if isinstance(h, _OnDisk))

@@ -42,7 +42,8 @@ from compress.engine.passes import (
     CallOrder, InputCatcher, StopForward, call_order, propagate, run_block, run_until_called, split_hidden,
 )
 from compress.checkpoints.model_io import ModelHandle, get_weight, is_conv1d
-from compress.engine.statistics import StatsCollector, collect_statistics
+from compress.engine.reference import ReferenceStream
+from compress.engine.statistics import Stat, StatsCollector, collect_statistics
 
 log = logging.getLogger(__name__)
 
@@ -156,6 +157,9 @@ class Engine:
         self.progress = progress or (lambda phase, done, total: None)
         self.on_layer = on_layer or (lambda report: None)
         self.needs_data = any(method.needs for stage in stages for method in stage.methods()) or observer is not None
+        # asymmetric calibration: the uncompressed model's block inputs travel beside the compressed model's
+        self.needs_reference = any(Stat.INPUT_DRIFT in method.needs for stage in stages for method in stage.methods())
+        self.reference: ReferenceStream | None = None
         self._block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
         self._call_orders: dict[tuple, CallOrder] = {}  # (block class, selected layers) -> relative names, see _call_order
         self._in_blocks = tuple(name + "." for name in self._block_names)
@@ -227,8 +231,12 @@ class Engine:
         inputs.close()
         return outputs
 
-    def _run_until_called(self, block: nn.Module, inputs, layers: dict[str, nn.Module]) -> None:
-        run_until_called(block, inputs, layers)
+    def _run_until_called(self, block: nn.Module, inputs, layers: dict[str, nn.Module], before_batch=None) -> None:
+        run_until_called(block, inputs, layers, before_batch)
+
+    def start_reference(self, inputs: Activations) -> None:
+        """Carry the uncompressed model's block inputs from ``inputs`` on (asymmetric calibration)."""
+        self.reference = ReferenceStream(inputs, self.new_activations)
 
     def _compress_block(self, index: int, inputs) -> list[LayerReport]:
         block, block_name = self.handle.blocks[index], self._block_names[index]
@@ -236,6 +244,8 @@ class Engine:
         routing = routing_modules(block)
         for module in routing.values():
             module.calibrate_all_experts = self.all_experts
+        if self.reference is not None:
+            self.reference.start(block_name, block)
         for stage in self.stages:
             layers = {n: m for n, m in stage.layers.items() if n.startswith(block_name + ".")}
             if not layers:
@@ -307,16 +317,19 @@ class Engine:
         return call_order(layers, lambda: self._run_block(block, [sample]))
 
     def _collect(self, block: nn.Module, inputs, group: dict[str, nn.Module], needs, routing: dict, same_input) -> StatsCollector:
+        reference = self.reference if Stat.INPUT_DRIFT in needs else None
+
         def start_pass() -> None:
             for module in routing.values():
                 module.reset_routed_tokens()
             if needs:
-                self._run_until_called(block, inputs, group)
+                paired = functools.partial(reference.run_batch, layers=group) if reference is not None else None
+                self._run_until_called(block, inputs, group, paired)
 
         def any_rank(diverged: bool) -> bool:  # all ranks keep or drop the sharing alike (same collectives)
             return self.ranks.sum_floats(float(diverged))[0] > 0 if self.ranks.world > 1 else diverged
 
-        return collect_statistics(group, needs, same_input, start_pass, any_rank)
+        return collect_statistics(group, needs, same_input, start_pass, any_rank, reference.input_of if reference else None)
 
     def run(self, writer: ShardedWriter, calibration: torch.Tensor | None = None, journal: BlockJournal | None = None) -> EngineResult:
         """``journal``: records the progress after each written block, and continues a killed run it recorded."""
@@ -330,11 +343,15 @@ class Engine:
             first, inputs, result.layers = resumed
         else:
             first, inputs = 0, self.capture_inputs(self.ranks.local_share(calibration)) if self.needs_data else self.new_activations()
+            if self.needs_reference:
+                self.start_reference(inputs.copy(self.new_activations()))
         blocks = self.handle.blocks
         for i in range(first, len(blocks)):
             block, name = blocks[i], self._block_names[i]
             original = self.handle.materialize(block, name, self.device, self.dtype)
             result.layers += self._compress_block(i, inputs)
+            if self.reference is not None and i + 1 < len(blocks):
+                self.reference.advance()
             if self.needs_data and (i + 1 < len(blocks) or self.keep_final_hidden or self.observer is not None):
                 with self.observer.watch(name, block) if self.observer is not None else nullcontext():
                     inputs = self._propagate(block, inputs)
@@ -349,6 +366,8 @@ class Engine:
         if self.keep_final_hidden and self.needs_data:
             result.final_hidden = [h for h, _, _ in inputs]
         inputs.close()
+        if self.reference is not None:
+            self.reference.close()
         result.blocks = len(blocks)
         result.seconds = time.perf_counter() - start
         result.peak_rss_bytes = peak_rss_bytes()

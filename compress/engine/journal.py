@@ -9,6 +9,7 @@ the blocks (``learned_state``: e.g. static input scales, KV-cache maxima). They 
     state-3.pt          torch.save of the reports, packed layers, learned state and the inputs' batch count
     inputs-3/0.pt ...   torch.save of each calibration batch's inputs (one at a time: the run's
                         ``--activation-memory`` budget holds while they are written and read back)
+    inputs-3/reference-0.pt ...  with asymmetric calibration, the uncompressed model's inputs of each batch
 
 ``inputs-N/`` (written as ``inputs-N.partial/`` and renamed) and ``state-N.pt`` are written first, then
 ``progress.json`` is replaced atomically, then the previous block's files are removed, so a kill at any point
@@ -123,14 +124,18 @@ class BlockJournal:
         try:
             with torch.serialization.safe_globals(SAFE_CLASSES):
                 state = torch.load(self.root / record["state"], map_location=engine.device, weights_only=True)
-                inputs = engine.new_activations()
+                inputs, reference = engine.new_activations(), engine.new_activations()
                 for batch in range(state["batches"]):
                     inputs.append(*torch.load(self.root / state["inputs"] / f"{batch}.pt", map_location=engine.device, weights_only=True))
+                for batch in range(state.get("reference_batches", 0)):
+                    reference.append(*torch.load(self.root / state["inputs"] / f"reference-{batch}.pt", map_location=engine.device, weights_only=True))
         except Exception as exc:  # noqa: BLE001 - unpickling fails in many types; the record is then useless
             raise CompressError(
                 f"--resume: {self.root / record['state']} is unreadable ({type(exc).__name__}): remove {self.root.parent} and run without --resume"
             ) from None
         writer.restore(record["writer"])
+        if engine.needs_reference:
+            engine.start_reference(reference)
         engine.packed.update(state["packed"])
         for learner, learned in zip(_learners(engine), state["learned"]):
             for name, value in learned.items():
@@ -142,15 +147,20 @@ class BlockJournal:
         """Record that blocks up to ``index`` are written; ``inputs`` are the next block's."""
         learned = [{name: getattr(obj, name) for name in getattr(obj, "learned_state", ()) if hasattr(obj, name)} for obj in _learners(engine)]
         name, folder = f"state-{index}.pt", f"inputs-{index}"
-        kept = inputs if index + 1 < len(engine.handle.blocks) else []  # after the last block nothing runs on them
+        last = index + 1 == len(engine.handle.blocks)  # after the last block nothing runs on the inputs
+        kept = [] if last else inputs
+        reference = [] if last or engine.reference is None else engine.reference.inputs
         partial = self.root / f"{folder}.partial"
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir()
         for batch, entry in enumerate(kept):
             torch.save(entry, partial / f"{batch}.pt")
+        for batch, entry in enumerate(reference):
+            torch.save(entry, partial / f"reference-{batch}.pt")
         os.replace(partial, self.root / folder)
         partial = self.root / f"{name}.partial"
-        torch.save({"inputs": folder, "batches": len(kept), "layers": layers, "packed": dict(engine.packed), "learned": learned}, partial)
+        torch.save({"inputs": folder, "batches": len(kept), "reference_batches": len(reference), "layers": layers,
+                    "packed": dict(engine.packed), "learned": learned}, partial)
         os.replace(partial, self.root / name)
         record = {"version": RECORD_VERSION, "block": index, "blocks": len(engine.handle.blocks), "state": name,
                   "writer": writer.state(), "fingerprint": self.fingerprint}

@@ -2,7 +2,8 @@
 
 - `InputCatcher` stands in for block 0 and stops the model's forward pass there: block 0's inputs.
 - `run_block`: the block's outputs on every calibration batch (propagation, and methods' replays).
-- `run_until_called`: a statistics pass that stops once the layers it collects for have run.
+- `run_until_called`: a statistics pass that stops once the layers it collects for have run; `inputs_of`: the
+  inputs a batch feeds some layers, from such a pass.
 - `call_order`: the block's layers grouped in call order, and the sets of them fed the very same tensor.
 """
 
@@ -64,10 +65,12 @@ def propagate(block: nn.Module, inputs, into) -> None:
             into.append(block_output(block(h, *args, **kwargs)), args, kwargs)
 
 
-def run_until_called(block: nn.Module, inputs, layers: dict[str, nn.Module]) -> None:
+def run_until_called(block: nn.Module, inputs, layers: dict[str, nn.Module],
+                     before_batch: Callable[[int], None] | None = None) -> None:
     """Run ``block`` on every calibration batch only until each of ``layers`` has been called: nothing
     after their last call can change their inputs, so a statistics pass for q/k/v stops before the
-    attention, one for gate/up before the MLP's down projection (true-sequential's 4 passes cost ~2)."""
+    attention, one for gate/up before the MLP's down projection (true-sequential's 4 passes cost ~2).
+    ``before_batch(k)`` is called before batch ``k`` runs."""
     pending: set[str] = set()
 
     def called(name: str):
@@ -81,7 +84,9 @@ def run_until_called(block: nn.Module, inputs, layers: dict[str, nn.Module]) -> 
     handles = [module.register_forward_hook(called(name)) for name, module in layers.items()]
     try:
         with torch.inference_mode():
-            for h, args, kwargs in inputs:
+            for k, (h, args, kwargs) in enumerate(inputs):
+                if before_batch is not None:
+                    before_batch(k)
                 pending.update(layers)
                 try:
                     block(h, *args, **kwargs)
@@ -90,6 +95,26 @@ def run_until_called(block: nn.Module, inputs, layers: dict[str, nn.Module]) -> 
     finally:
         for handle in handles:
             handle.remove()
+
+
+def inputs_of(block: nn.Module, batch, layers: dict[str, nn.Module]) -> dict[str, list[torch.Tensor]]:
+    """The input of each call of ``layers`` while one ``(hidden, args, kwargs)`` batch runs through ``block``,
+    until each has been called (as `run_until_called`)."""
+    seen: dict[str, list[torch.Tensor]] = {name: [] for name in layers}
+
+    def keep(name: str):
+        def hook(_module, args, kwargs):
+            seen[name].append(args[0] if args else next(iter(kwargs.values())))
+
+        return hook
+
+    handles = [module.register_forward_pre_hook(keep(name), with_kwargs=True) for name, module in layers.items()]
+    try:
+        run_until_called(block, [batch], layers)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ shared among processes.
 - INPUT_L2: per-input-channel L2 norm ``‖X_j‖₂`` over all tokens (``[in]``), Wanda's activation norm.
 - INPUT_ABSMAX: per-input-channel ``max |X_j|`` (``[in]``), SmoothQuant's activation range.
 - INPUT_ABSMEAN: per-input-channel ``mean |X_j|`` (``[in]``), AWQ's activation salience.
+- INPUT_DRIFT: ``Δ = 2/n Σ (x_f − x) xᵀ`` (``[in, in]``), ``x_f`` the same token's input of the layer in the
+  uncompressed model (the engine's reference stream): asymmetric calibration (`compress.quantizers.asymmetric`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class Stat(enum.Enum):
     INPUT_L2 = "input_l2"
     INPUT_ABSMAX = "input_absmax"
     INPUT_ABSMEAN = "input_absmean"
+    INPUT_DRIFT = "input_drift"
 
 
 class InputStatistics:
@@ -51,20 +54,25 @@ class InputStatistics:
         self.sq_sum = zeros(in_features) if Stat.INPUT_L2 in needs else None  # Σ x²
         self.absmax = torch.zeros(in_features, device=device) if Stat.INPUT_ABSMAX in needs else None
         self.abs_sum = zeros(in_features) if Stat.INPUT_ABSMEAN in needs else None  # Σ |x|
+        self.drift_sum = zeros(in_features, in_features) if Stat.INPUT_DRIFT in needs else None  # Σ (x_f − x) xᵀ
 
-    def update(self, x: torch.Tensor) -> None:
+    def update(self, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
+        """Add the token vectors ``x``; ``reference``: the same tokens' input in the uncompressed model (INPUT_DRIFT)."""
         x = x.detach().float()
         if x.numel() == 0:
             return
-        if x.dim() >= 3:  # [..., seq_len, in]: one window per row, its products in float32
-            windows = x.reshape(-1, x.shape[-2], self.in_features)
-        else:  # tokens of several windows in one matrix (MoE experts): exact float64 products, whatever the grouping
-            windows = x.reshape(1, -1, self.in_features).double()
-        for window in windows:
+        if self.drift_sum is not None and (reference is None or reference.shape != x.shape):
+            got = "none" if reference is None else tuple(reference.shape)
+            raise ValueError(f"the uncompressed model's input {got} does not match this input {tuple(x.shape)}")
+        pairs = self._windows(x)
+        references = self._windows(reference.detach().float()) if self.drift_sum is not None else [None] * len(pairs)
+        for window, ref in zip(pairs, references):
             if window.shape[0] == 0:
                 continue
             if self.outer_sum is not None:
                 self.outer_sum.add_(window.t() @ window)
+            if self.drift_sum is not None:
+                self.drift_sum.add_((ref - window).t() @ window)
             if self.sq_sum is not None:
                 self.sq_sum.add_(window.square().sum(dim=0))
             if self.absmax is not None:
@@ -73,13 +81,19 @@ class InputStatistics:
                 self.abs_sum.add_(window.abs().sum(dim=0))
             self.count += window.shape[0]
 
+    def _windows(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dim() >= 3:  # [..., seq_len, in]: one window per row, its products in float32
+            return x.reshape(-1, x.shape[-2], self.in_features)
+        # tokens of several windows in one matrix (MoE experts): exact float64 products, whatever the grouping
+        return x.reshape(1, -1, self.in_features).double()
+
     def combine(self, ranks) -> None:
         """Replace this rank's statistics with those of all ranks' tokens (`compress.engine.ranks.Ranks`)."""
-        held = [t for t in (self.outer_sum, self.sq_sum, self.absmax, self.abs_sum) if t is not None]
+        held = [t for t in (self.outer_sum, self.sq_sum, self.absmax, self.abs_sum, self.drift_sum) if t is not None]
         if ranks.world == 1 or not held:
             return
         self.count = int(ranks.sum_(torch.tensor([float(self.count)], dtype=torch.float64, device=held[0].device)).item())
-        for total in (self.outer_sum, self.sq_sum, self.abs_sum):
+        for total in (self.outer_sum, self.sq_sum, self.abs_sum, self.drift_sum):
             if total is not None:
                 ranks.sum_(total)
         if self.absmax is not None:
@@ -97,6 +111,8 @@ class InputStatistics:
             out[Stat.INPUT_ABSMAX] = self.absmax
         if self.abs_sum is not None:
             out[Stat.INPUT_ABSMEAN] = (self.abs_sum / n).float()
+        if self.drift_sum is not None:
+            out[Stat.INPUT_DRIFT] = (self.drift_sum * (2.0 / n)).float()
         return out
 
 
@@ -121,10 +137,10 @@ class _SharedInput:
         self.last: torch.Tensor | None = None  # the leader's latest input
         self.claimed: set[str] = set(self.followers)  # followers fed ``last`` so far
 
-    def feed(self, name: str, x: torch.Tensor) -> None:
+    def feed(self, name: str, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
         if name == self.leader:
             self.check_claimed()
-            self.stats.update(x)
+            self.stats.update(x, reference)
             self.last, self.claimed = x, set()
         elif x is self.last and name not in self.claimed:  # identity: the tensor itself, not equal values
             self.claimed.add(name)
@@ -143,10 +159,13 @@ class StatsCollector(AbstractContextManager):
     ``same_input``: sets of layers fed the very same tensor (`compress.engine.passes.CallOrder`): each set
     accumulates one `InputStatistics` (q/k/v: a third of the Hessian work and memory). Should a set's
     layers ever be fed different tensors, the pass raises `InputsDiverged`; the caller collects again
-    without sharing."""
+    without sharing. ``reference(name)``: the layer's input in the uncompressed model for the batch being run
+    (INPUT_DRIFT; `compress.engine.reference.ReferenceStream`)."""
 
-    def __init__(self, layers: dict[str, nn.Module], needs: frozenset[Stat], same_input: list[list[str]] = ()):
+    def __init__(self, layers: dict[str, nn.Module], needs: frozenset[Stat], same_input: list[list[str]] = (),
+                 reference: Callable[[str], torch.Tensor] | None = None):
         self.needs = needs
+        self._reference = reference if Stat.INPUT_DRIFT in needs else None
         self.stats: dict[str, InputStatistics] = {}
         self._shared: dict[str, _SharedInput] = {}
         for names in same_input:
@@ -169,7 +188,8 @@ class StatsCollector(AbstractContextManager):
 
         def hook(_module, args, kwargs):
             x = args[0] if args else next(iter(kwargs.values()))
-            shared.feed(name, x) if shared is not None else stats.update(x)
+            reference = self._reference(name) if self._reference is not None else None
+            shared.feed(name, x, reference) if shared is not None else stats.update(x, reference)
 
         return hook
 
@@ -202,14 +222,15 @@ class StatsCollector(AbstractContextManager):
 
 
 def collect_statistics(layers: dict[str, nn.Module], needs: frozenset[Stat], same_input: list[list[str]],
-                       run_pass: Callable[[], None], any_diverged: Callable[[bool], bool] = lambda d: d) -> StatsCollector:
+                       run_pass: Callable[[], None], any_diverged: Callable[[bool], bool] = lambda d: d,
+                       reference: Callable[[str], torch.Tensor] | None = None) -> StatsCollector:
     """A `StatsCollector` fed by ``run_pass()`` (the calibration batches through the layers' block), each set of
     ``same_input`` collected once; should a set's layers be fed different tensors (``any_diverged``: on any
-    process), the pass runs again without sharing."""
+    process), the pass runs again without sharing. ``reference``: as `StatsCollector`'s."""
     for shared in ([same_input, []] if same_input else [[]]):
         diverged = False
         try:
-            with StatsCollector(layers, needs, shared) as collector:
+            with StatsCollector(layers, needs, shared, reference) as collector:
                 run_pass()
         except InputsDiverged as exc:
             diverged = True

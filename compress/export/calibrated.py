@@ -49,7 +49,7 @@ from compress.engine.methods.base import LayerReport
 from compress.checkpoints.model_io import open_model, quantizable_layers
 from compress.checkpoints.output import copy_side_files, write_config
 from compress.checkpoints.calibration import CalibrationSpec
-from compress.engine.statistics import InputStatistics
+from compress.engine.statistics import InputStatistics, Stat
 
 log = logging.getLogger(__name__)
 ProgressFn = Callable[[str, int, int], None]
@@ -68,7 +68,7 @@ def solve_output_layer(handle, norm_name: str, hidden: list[torch.Tensor], solve
     handle.materialize(norm, norm_name, device, torch.float32)
     handle.materialize(layer, weight_of, device, torch.float32, only={"weight"})
     try:
-        stats = InputStatistics(layer.in_features, solver.needs, device)
+        stats = InputStatistics(layer.in_features, solver.needs - {Stat.INPUT_DRIFT}, device)  # symmetric: no reference here
         with torch.inference_mode():
             for h in hidden:
                 stats.update(norm(h))
@@ -102,6 +102,27 @@ def layer_types(model: Path, config: ExportConfig) -> dict[str, GGMLType]:
         for name in sources
         if len(shape) >= 2 and name.endswith(".weight") and is_block_quantized(kind)
     }
+
+
+def method_configs(method: GGUFMethod, options: dict) -> tuple[GGUFGPTQMethodConfig | None, GGUFAWQMethodConfig | None]:
+    """The GPTQ and AWQ settings of a calibrated export from ``options`` (``-O KEY=VALUE``): each key goes to the
+    method of ``method`` that has it (awq-gptq: to both where both have it); unknown or invalid ones are errors."""
+    from pydantic import ValidationError
+
+    configs = {cls: {} for solves, cls in ((method.solves, GGUFGPTQMethodConfig), (method.scales, GGUFAWQMethodConfig)) if solves}
+    for key, value in options.items():
+        takers = [cls for cls in configs if key in cls.model_fields]
+        if not takers:
+            valid = sorted({f for cls in configs for f in cls.model_fields})
+            raise CompressError(f"--method {method.value} has no setting {key!r}: use one of {', '.join(valid)}")
+        for cls in takers:
+            configs[cls][key] = value
+    try:
+        built = {cls: cls(**values) for cls, values in configs.items()}
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        raise CompressError(f"--method {method.value}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
+    return built.get(GGUFGPTQMethodConfig), built.get(GGUFAWQMethodConfig)
 
 
 def export_calibrated(

@@ -6,12 +6,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 from pathlib import Path
-from typing import Callable, Literal
+from typing import Any, Callable, Literal
 
 from pydantic import BaseModel, ConfigDict, model_validator
 
 from compress.errors import CompressError
-from compress.export.calibrated import export_calibrated
+from compress.export.calibrated import export_calibrated, method_configs
 from compress.export.gguf import ExportConfig, ExportResult, GGUFMethod, export_gguf
 from compress.formats.candidates import parse_candidate
 from compress.formats.gguf.plan import Target
@@ -28,7 +28,8 @@ class ExportSpec(BaseModel):
     ``method: gptq`` or ``awq`` calibrate on the recipe's ``calibration`` section. ``plan:`` gives tensors
     their own GGML types as ``compress export --plan`` does: a plan file, an inline ``layers:`` mapping
     (layer or ``re:`` pattern -> type), or a sensitivity file with a target (``target_size: 2.1GB``);
-    ``type`` then covers the tensors the plan does not list.
+    ``type`` then covers the tensors the plan does not list. ``options``: GPTQ/AWQ settings, e.g.
+    ``{asymmetric: true}`` (as ``compress export -O``).
     """
 
     model_config = ConfigDict(extra="forbid")
@@ -38,12 +39,24 @@ class ExportSpec(BaseModel):
     method: GGUFMethod = GGUFMethod.rtn
     imatrix: Path | None = None
     plan: PlanSpec | None = None
+    options: dict[str, Any] = {}  # GPTQ/AWQ settings of the calibrated methods (``compress export -O``)
     overwrite: bool = False
 
     @model_validator(mode="after")
     def _imatrix_matches_method(self):
         if (self.method == GGUFMethod.imatrix) != (self.imatrix is not None):
             raise ValueError("method imatrix needs an imatrix file (and only it takes one)")
+        return self
+
+    @model_validator(mode="after")
+    def _options_of_the_method(self):
+        if self.options and not self.method.calibrated:
+            raise ValueError(f"options are GPTQ/AWQ settings; method {self.method.value} has none")
+        if self.options:
+            try:
+                method_configs(self.method, self.options)
+            except CompressError as exc:
+                raise ValueError(str(exc)) from None
         return self
 
     @model_validator(mode="after")
@@ -69,4 +82,5 @@ def export_from_spec(
         return export_gguf(config, progress)
     if calibration is None:
         raise CompressError(f"export method {spec.method.value} needs calibration data: add a calibration section")
-    return export_calibrated(config, spec.method, calibration, progress, device=device)
+    gptq, awq = method_configs(spec.method, spec.options)
+    return export_calibrated(config, spec.method, calibration, progress, gptq=gptq, awq=awq, device=device)

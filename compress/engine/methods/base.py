@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from torch import nn
 
 from compress.checkpoints.model_io import get_weight, set_weight
+from compress.quantizers.asymmetric import asymmetric_target
 from compress.quantizers.result import QuantResult
 from compress.engine.statistics import Stat
 
@@ -33,6 +34,8 @@ class SolverConfig(MethodConfig):
     block_size: int = Field(128, ge=1, description="columns per lazy-batch block")
     damp: float = Field(0.01, gt=0, description="dampening, as a fraction of the mean Hessian diagonal")
     true_sequential: bool = Field(True, description="solve q/k/v, o, gate/up, down in turn, each on updated inputs")
+    asymmetric: bool = Field(False, description="fit each layer to the uncompressed model's outputs, undoing the drift "
+                                                "of the layers before (GPTAQ; one more forward pass per statistics pass)")
 
 
 @dataclass
@@ -158,17 +161,20 @@ class HessianMethod(Method):
 
     @property
     def needs(self) -> frozenset[Stat]:
-        return frozenset({Stat.HESSIAN})
+        return frozenset({Stat.HESSIAN, Stat.INPUT_DRIFT} if self.config.asymmetric else {Stat.HESSIAN})
 
     @property
     def sequential(self) -> bool:
         return self.config.true_sequential
 
     def solve(self, name: str, solver, weight: torch.Tensor, stats: dict[Stat, torch.Tensor], config, keys: tuple[str, ...]):
-        """Run ``solver(weight, H, config)``; returns the layer outcome with the ``keys`` of its stats."""
+        """Run ``solver(weight, H, config)``; returns the layer outcome with the ``keys`` of its stats. With the
+        INPUT_DRIFT statistic the solver's weight is the asymmetric target (`compress.quantizers.asymmetric`)."""
         from compress.errors import CompressError
 
         try:
+            if Stat.INPUT_DRIFT in stats:
+                weight = asymmetric_target(weight, stats[Stat.HESSIAN], stats[Stat.INPUT_DRIFT], self.config.damp)
             result = solver(weight, stats[Stat.HESSIAN], config)
         except ValueError as exc:
             raise CompressError(f"{self.label} failed on {name}: {exc}") from None

@@ -14,6 +14,7 @@ from compress.engine.methods.rtn import RTN
 from compress.checkpoints.model_io import ModelHandle, open_model, quantizable_layers
 from compress.engine.statistics import Stat
 from conftest import save_random_model, tiny_llama_config
+from engine_cases import CalibratedRTN, SequentialRTN, run_engine
 
 VOCAB = 300
 ALL_STATS = frozenset(Stat)
@@ -42,25 +43,6 @@ class Observe(Method):
 
     def transform_layer(self, name, weight, stats):
         return LayerOutcome(weight)
-
-
-class CalibratedRTN(RTN):
-    """RTN that asks for statistics, so the engine must propagate quantized outputs block to block."""
-
-    @property
-    def needs(self):
-        return frozenset({Stat.HESSIAN})
-
-
-def run_engine(model_dir, out_dir, method, calibration=None, shard_bytes=1 << 30, batch_size=3):
-    handle = open_model(model_dir)
-    names = [handle.block_name(i) for i in range(len(handle.blocks))]
-    stages = [Stage(method, quantizable_layers(handle.model, names))]
-    out_dir.mkdir(exist_ok=True)
-    writer = ShardedWriter(out_dir, shard_bytes)
-    result = Engine(handle, stages, batch_size=batch_size).run(writer, calibration)
-    writer.close()
-    return handle, result
 
 
 def reference_hessians(model, layer_names, calibration):
@@ -254,12 +236,6 @@ def test_statistics_methods_refuse_layers_outside_blocks(tmp_path):
     layers = quantizable_layers(handle.model, [], include=["lm_head"])
     with pytest.raises(CompressError, match="exclude lm_head"):
         Engine(handle, [Stage(CalibratedRTN(RTN.Config(group_size=32)), layers)]).check(torch.zeros(1, 4, dtype=torch.long))
-
-
-class SequentialRTN(CalibratedRTN):
-    @property
-    def sequential(self):
-        return True
 
 
 @pytest.mark.parametrize(

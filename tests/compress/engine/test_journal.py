@@ -53,12 +53,17 @@ def _killed_after(block: int, argv: list[str], out: Path, monkeypatch) -> Path:
     return killed
 
 
-@pytest.mark.parametrize("case", ["gptq", "smoothquant-kv"])
+METHODS = {"gptq": ["--method", "gptq", "--group-size", "32"], "smoothquant-kv": ["--method", "smoothquant", "--kv-cache", "fp8"],
+           "gptq-asymmetric": ["--method", "gptq", "--group-size", "32", "-O", "asymmetric=true"]}
+
+
+@pytest.mark.parametrize("case", sorted(METHODS))
 def test_a_resumed_run_writes_the_bytes_of_an_uninterrupted_one(tmp_path, three_blocks, monkeypatch, case):
     """GPTQ packed; SmoothQuant with KV-cache scales: what the method (input scales of every layer, in the record)
-    and the observer (maxima over every block) learned before the kill is restored."""
+    and the observer (maxima over every block) learned before the kill is restored; asymmetric GPTQ: the original
+    model's block inputs too."""
     out = tmp_path / "out"
-    method = ["--method", "gptq", "--group-size", "32"] if case == "gptq" else ["--method", "smoothquant", "--kv-cache", "fp8"]
+    method = METHODS[case]
     argv = ["quantize", str(three_blocks), "-o", str(out), *method, *CALIB, "--json"]
     done = CliRunner().invoke(app, argv)
     assert done.exit_code == 0, done.output

@@ -27,6 +27,7 @@ CASES = {
     "sparsegpt": ["prune", "--method", "sparsegpt", "--sparsity", "0.5", *CALIB],
     "wanda-2:4": ["prune", "--method", "wanda", "--pattern", "2:4", *CALIB],
     "gguf-gptq": ["export", "--type", "q4_k_m", "--method", "gptq", *CALIB],
+    "gguf-gptq-asymmetric": ["export", "--type", "q4_k", "--method", "gptq", "-O", "asymmetric=true", *CALIB],
     "imatrix": ["imatrix", *CALIB],
 }
 FILE_OUTPUTS = {"export", "imatrix"}  # one GGUF file, compared byte for byte

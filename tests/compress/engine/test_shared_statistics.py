@@ -43,7 +43,7 @@ def _observe(model_dir, out_dir, sequential, monkeypatch, same_input=None) -> tu
     replaces the sets the engine found."""
     updates = []
     original = InputStatistics.update
-    monkeypatch.setattr(InputStatistics, "update", lambda self, x: (updates.append(1), original(self, x)))
+    monkeypatch.setattr(InputStatistics, "update", lambda self, x, reference=None: (updates.append(1), original(self, x, reference)))
     if same_input is not None:
         found = Engine._forward_order
         monkeypatch.setattr(Engine, "_forward_order",

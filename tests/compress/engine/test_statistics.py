@@ -12,7 +12,7 @@ from transformers.pytorch_utils import Conv1D
 
 from compress.engine.statistics import InputStatistics, InputsDiverged, Stat, StatsCollector, layer_in_features
 
-ALL = frozenset(Stat)
+ALL = frozenset(Stat) - {Stat.INPUT_DRIFT}  # the statistics of the input alone; INPUT_DRIFT's tests are below
 
 
 def _data(shape, seed: int, dtype=torch.float32) -> torch.Tensor:
@@ -101,7 +101,7 @@ def test_batching_invariance():
 
 @pytest.mark.parametrize(
     "needs",
-    [frozenset(c) for r in range(0, len(Stat) + 1) for c in itertools.combinations(list(Stat), r)],
+    [frozenset(c) for r in range(0, len(ALL) + 1) for c in itertools.combinations(sorted(ALL, key=lambda s: s.value), r)],
     ids=lambda n: "+".join(sorted(s.value for s in n)) or "none",
 )
 def test_only_requested_stats(needs):
@@ -334,3 +334,74 @@ def test_a_shared_set_fed_otherwise_raises(feed):
             layers["a"](first), layers["b"](first)  # shared as expected ...
             feed(layers, _data((2, 16), seed=1))  # ... then not
     assert all(not layer._forward_pre_hooks for layer in layers.values())
+
+
+# -- INPUT_DRIFT: the input's drift from the uncompressed model's input of the same tokens ----------------------
+def reference_drift(xs: list[torch.Tensor], refs: list[torch.Tensor], in_features: int) -> np.ndarray:
+    """2/n Σ (x_f − x) xᵀ in float64 over all token vectors."""
+    X = np.concatenate([x.double().numpy().reshape(-1, in_features) for x in xs])
+    F = np.concatenate([f.double().numpy().reshape(-1, in_features) for f in refs])
+    return 2.0 / X.shape[0] * (F - X).T @ X
+
+
+@pytest.mark.parametrize("shapes", [[(2, 9, 16), (1, 5, 16)], [(40, 16), (3, 16)]], ids=["3d", "2d"])
+def test_drift_matches_direct_computation(shapes):
+    xs = [_data(s, seed=i) for i, s in enumerate(shapes)]
+    refs = [x + 0.1 * _data(x.shape, seed=10 + i) for i, x in enumerate(xs)]
+    st = InputStatistics(16, frozenset({Stat.HESSIAN, Stat.INPUT_DRIFT}))
+    for x, ref in zip(xs, refs):
+        st.update(x, ref)
+    got = st.result()
+    assert_matches(got, {**reference_stats(xs, 16), Stat.INPUT_DRIFT: reference_drift(xs, refs, 16)}, {Stat.HESSIAN, Stat.INPUT_DRIFT})
+    assert not torch.allclose(got[Stat.INPUT_DRIFT], got[Stat.INPUT_DRIFT].T)  # not symmetric: (x_f − x) xᵀ
+
+
+def test_drift_of_an_unchanged_input_is_zero_and_batching_changes_no_bit():
+    x = _data((4, 30, 24), seed=7)
+    ref = x + 0.05 * _data(x.shape, seed=8)
+    same = InputStatistics(24, frozenset({Stat.INPUT_DRIFT}))
+    same.update(x, x.clone())
+    assert torch.count_nonzero(same.result()[Stat.INPUT_DRIFT]) == 0
+    results = []
+    for parts in ([slice(0, 4)], [slice(0, 1), slice(1, 3), slice(3, 4)]):
+        st = InputStatistics(24, frozenset({Stat.INPUT_DRIFT}))
+        for p in parts:
+            st.update(x[p], ref[p])
+        results.append(st.result()[Stat.INPUT_DRIFT])
+    assert torch.equal(results[0], results[1])
+
+
+@pytest.mark.parametrize("reference", [None, (3, 5, 8)], ids=["none", "other-shape"])
+def test_drift_needs_the_reference_of_the_same_tokens(reference):
+    st = InputStatistics(8, frozenset({Stat.INPUT_DRIFT}))
+    with pytest.raises(ValueError, match="uncompressed model's input"):
+        st.update(_data((2, 5, 8), seed=1), None if reference is None else _data(reference, seed=2))
+
+
+def test_collector_pairs_each_layer_with_its_reference():
+    """Two layers, one fed the other's output: each accumulates its own drift from the reference the
+    provider gives for its name; a pair fed one tensor (shared statistics) takes the leader's."""
+    torch.manual_seed(0)
+    first, second, twin = nn.Linear(16, 16), nn.Linear(16, 8), nn.Linear(16, 8)
+    layers = {"first": first, "second": second, "twin": twin}
+    xs = [_data((2, 5, 16), seed=i) for i in range(3)]
+    refs: dict[str, list[torch.Tensor]] = {"first": [], "second": [], "twin": []}
+    inputs: dict[str, list[torch.Tensor]] = {"first": [], "second": []}
+    current = {}
+
+    def reference(name):
+        return current[name]
+
+    with StatsCollector(layers, frozenset({Stat.INPUT_DRIFT}), same_input=[["second", "twin"]], reference=reference) as collector, torch.no_grad():
+        for i, x in enumerate(xs):
+            current["first"] = x + 0.1 * _data(x.shape, seed=20 + i)
+            y = first(x)
+            current["second"] = current["twin"] = y + 0.1 * _data(y.shape, seed=30 + i)
+            second(y), twin(y)
+            inputs["first"].append(x), inputs["second"].append(y)
+            refs["first"].append(current["first"]), refs["second"].append(current["second"])
+    results = collector.results()
+    for name in ("first", "second"):
+        np.testing.assert_allclose(results[name][Stat.INPUT_DRIFT].numpy(), reference_drift(inputs[name], refs[name], layer_in_features(layers[name])),
+                                   rtol=1e-5, atol=1e-6)
+    assert torch.equal(results["twin"][Stat.INPUT_DRIFT], results["second"][Stat.INPUT_DRIFT])

@@ -13,7 +13,7 @@ pytest.importorskip("gguf")
 from compress.errors import CompressError  # noqa: E402
 from compress.export.gguf import ExportConfig, export_gguf, permute_rope  # noqa: E402
 from compress.formats.gguf.plan import Target  # noqa: E402
-from conftest import REFERENCE_MODEL, save_random_model, tiny_llama_config  # noqa: E402
+from conftest import CALIB_TEXT, REFERENCE_MODEL, save_random_model, tiny_llama_config  # noqa: E402
 from gguf_reference import read_fields, tensor_types, transformers_model  # noqa: E402
 from references import one_line_error  # noqa: E402
 
@@ -316,7 +316,6 @@ def test_cli_export_and_imatrix(tmp_path):
     from typer.testing import CliRunner
 
     from compress.cli import app
-    from conftest import CALIB_TEXT
 
     runner = CliRunner()
     out = tmp_path / "ref.gguf"
@@ -344,6 +343,11 @@ def test_cli_export_and_imatrix(tmp_path):
         (["--calib", "x.txt"], "--method"),
         (["--method", "imatrix"], "--imatrix"),
         (["--imatrix", "x.gguf"], "--method imatrix"),
+        (["-O", "damp=0.1"], "drop -O"),
+        (["--method", "gptq", "--calib", str(CALIB_TEXT), "-O", "asymetric=true"], "no setting 'asymetric'"),
+        (["--method", "awq", "--calib", str(CALIB_TEXT), "-O", "damp=0.1"], "no setting 'damp'"),
+        (["--method", "gptq", "--calib", str(CALIB_TEXT), "-O", "damp=-1"], "damp"),
+        (["--method", "gptq", "--calib", str(CALIB_TEXT), "-O", "damp"], "KEY=VALUE"),
     ],
 )
 def test_cli_export_errors_are_one_line(tmp_path, args, needle):
