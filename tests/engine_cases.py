@@ -18,13 +18,14 @@ class CalibratedRTN(RTN):
         return frozenset({Stat.HESSIAN})
 
 
-def run_engine(model_dir, out_dir, method, calibration=None, shard_bytes=1 << 30, batch_size=3):
+def run_engine(model_dir, out_dir, method, calibration=None, shard_bytes=1 << 30, batch_size=3, **engine):
+    """``method`` on every block's linear layers of ``model_dir``, written to ``out_dir``; ``engine``: more `Engine` arguments."""
     handle = open_model(model_dir)
     names = [handle.block_name(i) for i in range(len(handle.blocks))]
     stages = [Stage(method, quantizable_layers(handle.model, names))]
     out_dir.mkdir(exist_ok=True)
     writer = ShardedWriter(out_dir, shard_bytes)
-    result = Engine(handle, stages, batch_size=batch_size).run(writer, calibration)
+    result = Engine(handle, stages, batch_size=batch_size, **engine).run(writer, calibration)
     writer.close()
     return handle, result
 

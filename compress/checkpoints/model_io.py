@@ -200,9 +200,12 @@ class ModelHandle:
     def head_is_tied(self) -> bool:
         """The output layer's weight is the input embeddings' (stored once, tied by transformers at load; the
         skeleton's parameters are not the same object, so identity cannot tell)."""
-        head = self.model.get_output_embeddings()
-        name = next((n for n, m in self.model.named_modules() if m is head), None) if head is not None else None
+        name = self.module_name(self.model.get_output_embeddings())
         return name is not None and f"{name}.weight" in self.tied_parameter_names()
+
+    def module_name(self, module: nn.Module | None) -> str | None:
+        """``module``'s name in the model (found by identity: e.g. the input or output embeddings); None if absent."""
+        return next((n for n, m in self.model.named_modules() if m is module), None) if module is not None else None
 
     def non_block_parameters(self, module: nn.Module) -> list[str]:
         """Names (relative to ``module``) of parameters outside the decoder blocks."""

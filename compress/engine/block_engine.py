@@ -97,6 +97,7 @@ class EngineResult:
     peak_rss_bytes: int = 0
     peak_device_bytes: int | None = None
     final_hidden: list[torch.Tensor] | None = None  # the last block's outputs, when asked for
+    final_reference: list[torch.Tensor] | None = None  # ... and the uncompressed model's (asymmetric calibration)
 
 
 def _expert_tokens(block_name: str, routing: dict, collector: StatsCollector) -> dict[str, dict[str, int]]:
@@ -132,6 +133,7 @@ class Engine:
         ranks: Ranks | None = None,
         activation_memory: int | None = None,
         scratch: Path | None = None,
+        outer_weights: dict[str, torch.Tensor] | None = None,
     ):
         """``packer``: the output format that writes each quantized layer's codes (None: dense weights).
         ``keep_final_hidden``: return the compressed last block's outputs on the calibration data (the
@@ -139,7 +141,11 @@ class Engine:
         ``observer``: watches every compressed block's run on the calibration data (e.g. the KV-cache
         statistics); with one, calibration inputs are captured even if no method needs them.
         ``ranks``: the processes sharing this run (default: this one alone). ``activation_memory``: bytes of
-        block inputs kept in memory, the rest in a file in ``scratch`` (default: all in memory)."""
+        block inputs kept in memory, the rest in a file in ``scratch`` (default: all in memory).
+        ``outer_weights``: parameters outside the blocks as the compressed model will hold them (a GGUF file's
+        rounded embeddings), by name: the compressed model's block-0 inputs are captured with them, the
+        uncompressed model's (asymmetric calibration) with the checkpoint's."""
+        self.outer_weights = outer_weights or {}
         self.handle = handle
         self.activation_memory = activation_memory
         self.scratch = scratch
@@ -196,11 +202,15 @@ class Engine:
         """An empty store for one block's calibration inputs, under the run's memory budget."""
         return Activations(self.activation_memory, self.scratch)
 
-    def capture_inputs(self, calibration: torch.Tensor) -> Activations:
+    def capture_inputs(self, calibration: torch.Tensor, weights: dict[str, torch.Tensor] | None = None) -> Activations:
+        """Block 0's inputs for the ``calibration`` windows; ``weights``: parameters (full names) replacing the
+        checkpoint's."""
         handle, base = self.handle, self.handle.base_model
         outer = set(handle.non_block_parameters(base))
         # Materialize the base model's weights outside the blocks (embeddings, positions, norms).
         handle.materialize(base, handle.base_prefix, self.device, self.dtype, only=outer)
+        for name, tensor in (weights or {}).items():
+            handle.model.get_parameter(name).data = tensor.to(self.device, self.dtype)
         catcher = InputCatcher(handle.blocks[0])
         handle.blocks[0] = catcher
         inputs = self.new_activations()
@@ -342,15 +352,16 @@ class Engine:
         if resumed is not None:
             first, inputs, result.layers = resumed
         else:
-            first, inputs = 0, self.capture_inputs(self.ranks.local_share(calibration)) if self.needs_data else self.new_activations()
+            share = self.ranks.local_share(calibration) if self.needs_data else None
+            first, inputs = 0, self.capture_inputs(share, self.outer_weights) if self.needs_data else self.new_activations()
             if self.needs_reference:
-                self.start_reference(inputs.copy(self.new_activations()))
+                self.start_reference(self.capture_inputs(share) if self.outer_weights else inputs.copy(self.new_activations()))
         blocks = self.handle.blocks
         for i in range(first, len(blocks)):
             block, name = blocks[i], self._block_names[i]
             original = self.handle.materialize(block, name, self.device, self.dtype)
             result.layers += self._compress_block(i, inputs)
-            if self.reference is not None and i + 1 < len(blocks):
+            if self.reference is not None and (i + 1 < len(blocks) or self.keep_final_hidden):
                 self.reference.advance()
             if self.needs_data and (i + 1 < len(blocks) or self.keep_final_hidden or self.observer is not None):
                 with self.observer.watch(name, block) if self.observer is not None else nullcontext():
@@ -365,6 +376,8 @@ class Engine:
         result.layers += self._write_outer(writer)
         if self.keep_final_hidden and self.needs_data:
             result.final_hidden = [h for h, _, _ in inputs]
+            if self.reference is not None:
+                result.final_reference = [h for h, _, _ in self.reference.inputs]
         inputs.close()
         if self.reference is not None:
             self.reference.close()

@@ -172,8 +172,8 @@ class _SensitivityEngine(Engine):
         self.streams: dict[str, list[torch.Tensor]] = {}  # every measured layer at the candidate
         self.embed_streams: dict[str, list[torch.Tensor]] = {}  # only the input embeddings at the candidate
 
-    def capture_inputs(self, calibration):
-        inputs = super().capture_inputs(calibration)
+    def capture_inputs(self, calibration, weights=None):
+        inputs = super().capture_inputs(calibration, weights)
         for candidate in self.measure.candidates:
             self.streams[candidate.name] = [
                 self.embed_inputs(candidate.name, i, h) if self.embed_inputs else h for i, (h, _, _) in enumerate(inputs)
@@ -202,10 +202,6 @@ class _SensitivityEngine(Engine):
 
     def _relative(self, index: int, name: str) -> str:
         return name.removeprefix(self._block_names[index] + ".")
-
-
-def _module_name(model: nn.Module, module: nn.Module | None) -> str | None:
-    return next((n for n, m in model.named_modules() if m is module), None) if module is not None else None
 
 
 def _kld_sums(reference: list[torch.Tensor], w_ref: torch.Tensor,
@@ -246,7 +242,7 @@ def measure_sensitivity(
     device = torch.device(device)
     model = handle.model
     embed_module, head_module = model.get_input_embeddings(), model.get_output_embeddings()
-    embed_name, head_name = _module_name(model, embed_module), _module_name(model, head_module)
+    embed_name, head_name = handle.module_name(embed_module), handle.module_name(head_module)
     tied = embed_module is not None and handle.head_is_tied()
     blocks = tuple(handle.block_name(i) + "." for i in range(len(handle.blocks)))
     inside = {n: m for n, m in layers.items() if n.startswith(blocks)}

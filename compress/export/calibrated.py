@@ -44,7 +44,7 @@ from compress.export.gguf import ExportConfig, ExportResult, GGUFMethod, _tensor
 from compress.export.gguf_arch import read_config
 from compress.formats.gguf.grids import is_block_quantized
 from compress.formats.gguf.sizes import GGMLType
-from compress.engine.methods.gguf import GGUFAWQ, GGUFGPTQ, GGUFAWQMethodConfig, GGUFGPTQMethodConfig
+from compress.engine.methods.gguf import GGUFAWQ, GGUFGPTQ, GGUFAWQMethodConfig, GGUFGPTQMethodConfig, gguf_round_trip
 from compress.engine.methods.base import LayerReport
 from compress.checkpoints.model_io import open_model, quantizable_layers
 from compress.checkpoints.output import copy_side_files, write_config
@@ -60,18 +60,20 @@ FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)  # written as they are
 
 
 def solve_output_layer(handle, norm_name: str, hidden: list[torch.Tensor], solver: GGUFGPTQ, device, ranks: Ranks,
-                       weight_of: str = OUTPUT_LAYER) -> list[LayerReport]:
+                       weight_of: str = OUTPUT_LAYER, reference: list[torch.Tensor] | None = None) -> list[LayerReport]:
     """GPTQ on the output layer, its Hessian from ``norm(hidden)`` (the final norm of the last block's
     outputs, of every process): the only layer outside the blocks with an input to calibrate on. Its weight
-    is read as ``weight_of``'s (the input embeddings' when tied)."""
+    is read as ``weight_of``'s (the input embeddings' when tied). ``reference``: the uncompressed model's last
+    block outputs, for an asymmetric solver."""
     norm, layer = handle.model.get_submodule(norm_name), handle.model.get_submodule(OUTPUT_LAYER)
     handle.materialize(norm, norm_name, device, torch.float32)
     handle.materialize(layer, weight_of, device, torch.float32, only={"weight"})
     try:
-        stats = InputStatistics(layer.in_features, solver.needs - {Stat.INPUT_DRIFT}, device)  # symmetric: no reference here
+        needs = solver.needs if reference is not None else solver.needs - {Stat.INPUT_DRIFT}
+        stats = InputStatistics(layer.in_features, needs, device)
         with torch.inference_mode():
-            for h in hidden:
-                stats.update(norm(h))
+            for h, r in zip(hidden, reference or [None] * len(hidden)):
+                stats.update(norm(h), norm(r) if r is not None else None)
         stats.combine(ranks)
         return solver.transform_block(layer, {OUTPUT_LAYER: layer}, {OUTPUT_LAYER: stats.result()}) if ranks.main else []
     finally:
@@ -81,11 +83,21 @@ def solve_output_layer(handle, norm_name: str, hidden: list[torch.Tensor], solve
 
 def _tied_embeddings(handle) -> str | None:
     """The input embeddings' module name when the output layer shares their weight (one GGUF tensor)."""
-    head = handle.model.get_output_embeddings()
-    if not handle.head_is_tied() or head is None or dict(handle.model.named_modules()).get(OUTPUT_LAYER) is not head:
+    if not handle.head_is_tied() or handle.module_name(handle.model.get_output_embeddings()) != OUTPUT_LAYER:
         return None
-    embeddings = handle.model.get_input_embeddings()
-    return next(n for n, m in handle.model.named_modules() if m is embeddings)
+    return handle.module_name(handle.model.get_input_embeddings())
+
+
+def _rounded_embeddings(handle, stored: dict[str, GGMLType]) -> dict[str, torch.Tensor]:
+    """The input embeddings as the file will hold them (ggml's rounding in their type), by parameter name; empty
+    when the file keeps them in a float type. Asymmetric calibration starts the compressed model's block inputs
+    from these, so block 0's layers make up for the embeddings' rounding (a lookup: nothing else can)."""
+    name = handle.module_name(handle.model.get_input_embeddings())
+    kind = stored.get(handle.disk_name(f"{name}.weight").removesuffix(".weight")) if name is not None else None
+    if kind is None:
+        return {}
+    weight = handle.reader.get(handle.checkpoint_key(f"{name}.weight")).float()
+    return {f"{name}.weight": gguf_round_trip(kind)(weight)}
 
 
 def layer_types(model: Path, config: ExportConfig) -> dict[str, GGMLType]:
@@ -164,9 +176,10 @@ def export_calibrated(
         if solver.config.output_layer and OUTPUT_LAYER in types and handle.config.model_type in FINAL_NORMS:
             head = FINAL_NORMS[handle.config.model_type]
     ranks = Ranks.from_environment(device)  # under a launcher: data-parallel calibration, weight-parallel solves
+    asymmetric = solver is not None and solver.config.asymmetric
     engine = Engine(handle, stages, device, batch_size=calibration.batch_size, progress=progress, keep_final_hidden=head is not None,
-                    ranks=ranks, activation_memory=calibration.activation_memory,
-                    scratch=scratch_beside(config.output))
+                    ranks=ranks, activation_memory=calibration.activation_memory, scratch=scratch_beside(config.output),
+                    outer_weights=_rounded_embeddings(handle, stored) if asymmetric and embed is None else None)
     windows = load_calibration(
         calibration.path, load_tokenizer(config.model), calibration.samples, calibration.seq_len, calibration.seed
     )
@@ -176,7 +189,8 @@ def export_calibrated(
         with ranks:
             run = engine.run(writer, windows)
             if head is not None:
-                run.layers += solve_output_layer(handle, head, run.final_hidden, solver, device, ranks, embed or OUTPUT_LAYER)
+                run.layers += solve_output_layer(handle, head, run.final_hidden, solver, device, ranks, embed or OUTPUT_LAYER,
+                                                 run.final_reference)
         return run
 
     def encoded_by_disk_name():  # GPTQ's bytes, under the names the writer reads the checkpoint by

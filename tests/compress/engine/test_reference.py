@@ -3,7 +3,9 @@ compressed model, and GPTQ's asymmetric target against its symmetric one on the 
 
 from __future__ import annotations
 
+import pytest
 import torch
+from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
 from compress.engine.methods.gptq import GPTQ
@@ -34,11 +36,15 @@ def loadable(model_dir, out_dir):
     return AutoModelForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
 
 
-def test_drift_is_the_original_models_input_minus_the_compressed_models(tmp_path):
+@pytest.mark.parametrize("rounded_embeddings", [False, True])
+def test_drift_is_the_original_models_input_minus_the_compressed_models(tmp_path, rounded_embeddings):
     """Δ = 2/n Σ (x_f − x_q) x_qᵀ: x_f from the original model, x_q from the written (all-quantized) model, since under
-    true-sequential every layer's statistics see all layers before it quantized and nothing after it."""
+    true-sequential every layer's statistics see all layers before it quantized and nothing after it. With
+    ``outer_weights`` (a GGUF file's rounded embeddings) the compressed model reads those embeddings."""
     model_dir = save_random_model(tiny_llama_config(VOCAB, num_hidden_layers=2), tmp_path / "in")
     calibration = torch.randint(0, VOCAB, (4, 20), generator=torch.Generator().manual_seed(2))
+    embeddings = load_file(model_dir / "model.safetensors")["model.embed_tokens.weight"]
+    outer = {"model.embed_tokens.weight": (embeddings * 8).round() / 8} if rounded_embeddings else None
     seen = {}
 
     class Recording(SequentialRTN):
@@ -50,16 +56,19 @@ def test_drift_is_the_original_models_input_minus_the_compressed_models(tmp_path
             seen[name] = stats[Stat.INPUT_DRIFT].clone()
             return super().transform_layer(name, weight, stats)
 
-    run_engine(model_dir, tmp_path / "out", Recording(RTN.Config(bits=2, group_size=32)), calibration)
+    run_engine(model_dir, tmp_path / "out", Recording(RTN.Config(bits=2, group_size=32)), calibration, outer_weights=outer)
     names = list(seen)
     original = layer_inputs(AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval(), names, calibration)
-    compressed = layer_inputs(loadable(model_dir, tmp_path / "out"), names, calibration)
+    model = loadable(model_dir, tmp_path / "out")
+    if outer is not None:
+        model.model.embed_tokens.weight.data = outer["model.embed_tokens.weight"]
+    compressed = layer_inputs(model, names, calibration)
     for name in names:
         x_f, x_q = original[name], compressed[name]
         expected = 2.0 / x_q.shape[0] * (x_f - x_q).t() @ x_q
         torch.testing.assert_close(seen[name].double(), expected, rtol=1e-4, atol=1e-6 * float(expected.abs().max()), msg=name)
-    # block 0's q/k/v read the embeddings, the same in both models; everything after them drifts
-    assert torch.count_nonzero(seen["model.layers.0.self_attn.q_proj"]) == 0
+    # block 0's q/k/v read the embeddings, the same in both models unless rounded; everything after them drifts
+    assert (torch.count_nonzero(seen["model.layers.0.self_attn.q_proj"]) > 0) == rounded_embeddings
     assert all(torch.count_nonzero(seen[n]) > 0 for n in names if not n.startswith("model.layers.0.self_attn.") or n.endswith("o_proj"))
 
 
