@@ -7,13 +7,15 @@ the blocks (``learned_state``: e.g. static input scales, KV-cache maxima). They 
 
     progress.json       {"block": 3, "fingerprint": {...}, "writer": {ShardedWriter.state()}, "state": "state-3.pt"}
     state-3.pt          torch.save of the reports, packed layers, learned state and the inputs' batch count
-    inputs-3/0.pt ...   torch.save of each calibration batch's inputs (one at a time: the run's
+    inputs-3/0-0.pt ... torch.save of each calibration batch's inputs, ``RANK-BATCH.pt`` (one at a time: the run's
                         ``--activation-memory`` budget holds while they are written and read back)
-    inputs-3/reference-0.pt ...  with asymmetric calibration, the uncompressed model's inputs of each batch
+    inputs-3/reference-0-0.pt ...  with asymmetric calibration, the uncompressed model's inputs of each batch
 
 ``inputs-N/`` (written as ``inputs-N.partial/`` and renamed) and ``state-N.pt`` are written first, then
 ``progress.json`` is replaced atomically, then the previous block's files are removed, so a kill at any point
-leaves a record that names complete files. After the last block no inputs are kept: nothing runs on them. The fingerprint is the
+leaves a record that names complete files. Under a launcher every process writes its own share of the inputs
+into the main process's directory (one machine, or a shared file system), and the main process writes the record
+once all have; a resumed run needs the same number of processes (it is in the fingerprint). After the last block no inputs are kept: nothing runs on them. The fingerprint is the
 run's settings, the model's file digests and the calibration tokens' digest: a resumed run with another one
 is refused, naming the first difference. `restore` puts the engine, its methods and the writer back where
 the record was taken; the engine then continues with the next block and ends with the same bytes as a run
@@ -41,7 +43,7 @@ from compress.quantizers.grid import QuantScheme
 
 log = logging.getLogger(__name__)
 
-RECORD_VERSION = 2  # 2: inputs in a folder of per-batch files
+RECORD_VERSION = 3  # 2: inputs in a folder of per-batch files; 3: per process
 # the only classes a state file may hold besides tensors and containers (torch.load weights_only)
 SAFE_CLASSES = [PackedLayer, QuantScheme, FloatScheme, FloatFormat, FloatGrid, LayerReport]
 
@@ -116,8 +118,10 @@ class BlockJournal:
     def restore(self, engine, writer) -> tuple[int, list, list[LayerReport]] | None:
         """(first unfinished block, its calibration inputs, the reports so far) from the record, with the
         engine's packed layers, learned state and ``writer`` put back; None without a record (a fresh run)."""
-        if not (self.root / PROGRESS_RECORD).is_file():
-            self.root.mkdir(exist_ok=True)
+        rank = engine.ranks.rank
+        if not (self.root / PROGRESS_RECORD).is_file():  # written only once every process has its part
+            if engine.ranks.main:
+                self.root.mkdir(exist_ok=True)
             return None
         record = read_record(self.root.parent)
         check_resumable(self.root.parent, self.fingerprint)
@@ -125,15 +129,17 @@ class BlockJournal:
             with torch.serialization.safe_globals(SAFE_CLASSES):
                 state = torch.load(self.root / record["state"], map_location=engine.device, weights_only=True)
                 inputs, reference = engine.new_activations(), engine.new_activations()
-                for batch in range(state["batches"]):
-                    inputs.append(*torch.load(self.root / state["inputs"] / f"{batch}.pt", map_location=engine.device, weights_only=True))
-                for batch in range(state.get("reference_batches", 0)):
-                    reference.append(*torch.load(self.root / state["inputs"] / f"reference-{batch}.pt", map_location=engine.device, weights_only=True))
+                for batch in range(state["batches"][rank]):
+                    inputs.append(*torch.load(self.root / state["inputs"] / f"{rank}-{batch}.pt", map_location=engine.device, weights_only=True))
+                for batch in range(state["reference_batches"][rank]):
+                    reference.append(*torch.load(self.root / state["inputs"] / f"reference-{rank}-{batch}.pt", map_location=engine.device,
+                                                 weights_only=True))
         except Exception as exc:  # noqa: BLE001 - unpickling fails in many types; the record is then useless
             raise CompressError(
                 f"--resume: {self.root / record['state']} is unreadable ({type(exc).__name__}): remove {self.root.parent} and run without --resume"
             ) from None
-        writer.restore(record["writer"])
+        if engine.ranks.main:
+            writer.restore(record["writer"])
         if engine.needs_reference:
             engine.start_reference(reference)
         engine.packed.update(state["packed"])
@@ -144,22 +150,28 @@ class BlockJournal:
         return record["block"] + 1, inputs, state["layers"]
 
     def block_done(self, index: int, engine, writer, inputs: list, layers: list[LayerReport]) -> None:
-        """Record that blocks up to ``index`` are written; ``inputs`` are the next block's."""
-        learned = [{name: getattr(obj, name) for name in getattr(obj, "learned_state", ()) if hasattr(obj, name)} for obj in _learners(engine)]
+        """Record that blocks up to ``index`` are written; ``inputs`` are the next block's (this process's share)."""
+        ranks = engine.ranks
         name, folder = f"state-{index}.pt", f"inputs-{index}"
         last = index + 1 == len(engine.handle.blocks)  # after the last block nothing runs on the inputs
         kept = [] if last else inputs
         reference = [] if last or engine.reference is None else engine.reference.inputs
         partial = self.root / f"{folder}.partial"
-        shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir()
+        if ranks.main:
+            shutil.rmtree(partial, ignore_errors=True)
+            partial.mkdir()
+        ranks.barrier()  # the folder exists for every process's files
         for batch, entry in enumerate(kept):
-            torch.save(entry, partial / f"{batch}.pt")
+            torch.save(entry, partial / f"{ranks.rank}-{batch}.pt")
         for batch, entry in enumerate(reference):
-            torch.save(entry, partial / f"reference-{batch}.pt")
+            torch.save(entry, partial / f"reference-{ranks.rank}-{batch}.pt")
+        counts = ranks.gather((len(kept), len(reference)))  # also: every process's files are complete
+        if not ranks.main:
+            return
         os.replace(partial, self.root / folder)
+        learned = [{name: getattr(obj, name) for name in getattr(obj, "learned_state", ()) if hasattr(obj, name)} for obj in _learners(engine)]
         partial = self.root / f"{name}.partial"
-        torch.save({"inputs": folder, "batches": len(kept), "reference_batches": len(reference), "layers": layers,
+        torch.save({"inputs": folder, "batches": [c[0] for c in counts], "reference_batches": [c[1] for c in counts], "layers": layers,
                     "packed": dict(engine.packed), "learned": learned}, partial)
         os.replace(partial, self.root / name)
         record = {"version": RECORD_VERSION, "block": index, "blocks": len(engine.handle.blocks), "state": name,

@@ -101,6 +101,23 @@ class Ranks:
         dist.all_gather_object(out, obj)
         return out
 
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        """Rank ``src``'s ``obj`` on every rank (pickled)."""
+        if self.world == 1:
+            return obj
+        import torch.distributed as dist
+
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    def barrier(self) -> None:
+        """Wait until every rank has got here."""
+        if self.world > 1:
+            import torch.distributed as dist
+
+            dist.barrier()
+
     def strided_rows(self, rows: torch.Tensor, count: int) -> torch.Tensor:
         """``count`` evenly strided rows of the ranks' ``rows`` concatenated in rank order, the same rows one
         process would pick from all of them (``x[::max(1, n // count)][:count]``); only the picked rows travel."""

@@ -200,8 +200,6 @@ def run_stages(
     cal = recipe.calibration
     observer = kv_observer(recipe)  # calibrated KV-cache scales, collected on the engine's block runs
     ranks = Ranks.from_environment(device)  # under torchrun / accelerate launch: this process's part of the run
-    if ranks.world > 1 and recipe.resume:
-        raise CompressError(f"--resume continues a run of one process, not of {ranks.world}: run it again without the launcher, or without --resume")
     engine = Engine(
         handle, stages, device, batch_size=cal.batch_size if cal else 8, progress=progress, on_layer=on_layer, packer=packer,
         observer=observer, all_experts=cal.all_experts if cal else True, ranks=ranks,
@@ -214,24 +212,26 @@ def run_stages(
             log.warning("no method in this recipe uses calibration data; it was checked but is unused")
     engine.check(calibration)
     inputs = _inputs(recipe)
-    settings = {**_settings(recipe), "plans": [plan.to_dict() for _, plan in plans]}  # a plan file's layers, not only its path
+    # a plan file's layers, not only its path; the processes, each of which recorded its share of the inputs
+    settings = {**_settings(recipe), "plans": [plan.to_dict() for _, plan in plans], "processes": ranks.world}
     current = fingerprint(settings, inputs["model"], calibration)
     if recipe.resume:
         output.resume = lambda directory: check_resumable(directory, current)
     if not ranks.main:  # its share of the calibration and of the solves; the main rank writes, evaluates, exports
         with ranks:
-            result = engine.run(DiscardingWriter(), calibration)
+            tmp = ranks.broadcast_object(None)  # the main rank's temporary directory, where each rank records its progress
+            result = engine.run(DiscardingWriter(), calibration, BlockJournal(tmp, current))
         return RunResult(recipe.output.path, result, handle.reader.total_bytes(), 0, None, notes)
 
     with output as tmp:
         writer = ShardedWriter(tmp, recipe.output.shard_size_mb << 20)
         if handle.names is not None:  # tensors under the checkpoint's on-disk names (transformers' layout)
             writer = RenamingWriter(writer, handle.names)
-        journal = BlockJournal(tmp, current) if ranks.world == 1 else None  # progress after each block, for --resume
+        journal = BlockJournal(tmp, current)  # progress after each block, for --resume
         with ranks:  # the process group ends with the engine's run: writing, evaluating and exporting are the main rank's
+            ranks.broadcast_object(tmp)
             result = engine.run(writer, calibration, journal)
-        if journal is not None:
-            journal.remove()
+        journal.remove()
         kv_scheme = store_kv_scales(observer, writer, handle.config)
         writer.close()
         copy_side_files(recipe.model, tmp)

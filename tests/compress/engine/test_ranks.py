@@ -182,3 +182,62 @@ def test_strided_rows_across_processes_are_the_rows_one_process_picks(tmp_path, 
                        nprocs=len(counts), start_method="spawn")
     everything = torch.arange(sum(counts), dtype=torch.float32).unsqueeze(1)
     assert torch.equal(torch.load(out), everything[:: max(1, sum(counts) // count)][:count])
+
+
+def test_a_killed_two_process_run_resumes_to_the_one_process_bytes(tmp_path):
+    """SIGKILL of a 2-process asymmetric GPTQ run (each process records its share of both input streams) once
+    block 1's record exists: resuming with another process count is refused naming it; the same launch with
+    --resume ends with the tensors and config one process writes."""
+    import signal
+    import time
+
+    from compress.checkpoints.output import PROGRESS, PROGRESS_RECORD
+
+    options = ["--method", "gptq", "-O", "asymmetric=true", "--calib", str(CALIB_TEXT), "--samples", "8", "--seq-len", "128"]
+    one, two = tmp_path / "one", tmp_path / "two"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        done = CliRunner().invoke(app, ["quantize", str(REFERENCE_MODEL), "-o", str(one), *options])
+    finally:
+        torch.set_num_threads(threads)
+    assert done.exit_code == 0, done.output
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+              "-m", "compress.cli", "quantize", str(REFERENCE_MODEL), "-o", str(two), *options]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    run = subprocess.Popen(launch, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    deadline = time.monotonic() + 300
+    while True:
+        records = list(tmp_path.glob(f".two.partial-*/{PROGRESS}/{PROGRESS_RECORD}"))
+        if records and json.loads(records[0].read_text())["block"] >= 1:
+            job = _descendants(run.pid)  # the launcher and its workers (which it may start in sessions of their own)
+            for pid in job:
+                os.kill(pid, signal.SIGKILL)
+            break
+        assert run.poll() is None, "the run ended before it could be killed"
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+    run.wait()
+    while any(Path(f"/proc/{pid}").exists() for pid in job) and time.monotonic() < deadline:
+        time.sleep(0.05)  # the workers are reaped: their output lock is free
+    assert not two.exists()
+    refused = CliRunner().invoke(app, ["quantize", str(REFERENCE_MODEL), "-o", str(two), *options, "--resume"])
+    assert refused.exit_code == 2 and "setting processes was 2, now 1" in refused.output, refused.output
+    resumed = subprocess.run([*launch, "--resume"], capture_output=True, text=True, env=env, timeout=300)
+    assert resumed.returncode == 0, resumed.stdout + resumed.stderr
+    assert _config(two) == _config(one)
+    a, b = _tensors(one), _tensors(two)
+    assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
+
+
+def _descendants(pid: int) -> list[int]:
+    """``pid`` and every process below it (from /proc)."""
+    found, queue = [], [pid]
+    while queue:
+        current = queue.pop()
+        found.append(current)
+        for task in Path(f"/proc/{current}/task").glob("*"):
+            children = (task / "children").read_text().split() if (task / "children").exists() else []
+            queue += [int(c) for c in children]
+    return found
