@@ -17,7 +17,6 @@ broadcast it, and only the main rank's writer keeps what it is given.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 import resource
@@ -33,15 +32,16 @@ from torch import nn
 from compress.checkpoints.experts import routing_modules
 from compress.checkpoints.shards import ShardedWriter
 from compress.errors import CompressError
-from compress.formats.base import PackedLayer, PackFormat, has_trivial_g_idx
+from compress.formats.base import PackedLayer, PackFormat
 from compress.engine.journal import BlockJournal
-from compress.engine.methods.base import LayerOutcome, LayerReport, Method
+from compress.engine.methods.base import LayerReport, Method
 from compress.engine.ranks import Ranks, Replay, solve_on_owners
 from compress.engine.activations import Activations
+from compress.engine.outcomes import LayerOutcomes
 from compress.engine.passes import (
     CallOrder, InputCatcher, StopForward, call_order, propagate, run_block, run_until_called, split_hidden,
 )
-from compress.checkpoints.model_io import ModelHandle, get_weight, is_conv1d
+from compress.checkpoints.model_io import ModelHandle, get_weight
 from compress.engine.reference import ReferenceStream
 from compress.engine.statistics import Stat, StatsCollector, collect_statistics
 
@@ -153,9 +153,7 @@ class Engine:
         self.observer = observer
         self.all_experts = all_experts  # MoE: calibrate every expert on every token (outputs stay routed)
         self.keep_final_hidden = keep_final_hidden
-        self.packer = packer
-        self.packed: dict[str, PackedLayer] = {}  # layers written packed, for the format's config
-        self._outcomes: dict[str, tuple[LayerOutcome, dict | None]] = {}  # last quantizing stage per layer
+        self.outcomes = LayerOutcomes(packer)  # each layer's codes, written packed or dense
         self.stages = stages
         self.device = torch.device(device)
         self.dtype = dtype
@@ -169,6 +167,11 @@ class Engine:
         self._block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
         self._call_orders: dict[tuple, CallOrder] = {}  # (block class, selected layers) -> relative names, see _call_order
         self._in_blocks = tuple(name + "." for name in self._block_names)
+
+    @property
+    def packed(self) -> dict[str, PackedLayer]:
+        """The layers written packed so far, for the format's config."""
+        return self.outcomes.packed
 
     def check(self, calibration: torch.Tensor | None) -> None:
         """Validate every stage against every selected layer before any work starts."""
@@ -276,7 +279,7 @@ class Engine:
                         report.info.update(tokens.get(report.name, {}))
                         self.on_layer(report)
                         reports.append(report)
-                    self._keep_outcomes(method, part)
+                    self.outcomes.keep(method, part)
         return reports
 
     def _expert_tokens(self, block_name: str, routing: dict, collector: StatsCollector) -> dict[str, dict[str, int]]:
@@ -290,25 +293,6 @@ class Engine:
     @staticmethod
     def _solve(method: Method, block: nn.Module, layers: dict[str, nn.Module], stats, replay) -> list[LayerReport]:
         return method.transform_block(block, layers, stats, replay=replay)
-
-    def _keep_outcomes(self, method: Method, layers: dict[str, nn.Module]) -> None:
-        """Remember the codes of the layers ``method`` just quantized; a layer changed by a later stage
-        without new codes loses its earlier ones (it is written dense)."""
-        kept = method.take_outcomes()
-        activations = method.record().get("activations") if kept else None
-        for name in layers:
-            if name in kept:
-                outcome, acts = kept[name], activations
-                earlier = self._outcomes.get(name)
-                if acts is None and earlier is not None and earlier[1]:
-                    # Weights re-quantized after an activation-quantizing stage (SmoothQuant, then GPTQ):
-                    # the layer keeps that stage's activation quantization and static input scale.
-                    acts = earlier[1]
-                    if outcome.input_scale is None:
-                        outcome = dataclasses.replace(outcome, input_scale=earlier[0].input_scale)
-                self._outcomes[name] = (outcome, acts)
-            elif self._outcomes.pop(name, None) is not None:
-                log.warning("%s was quantized and then changed by %s: it is written dense", name, method.name)
 
     def _call_order(self, block: nn.Module, block_name: str, layers: dict[str, nn.Module], inputs) -> CallOrder:
         """``layers``' `CallOrder` (full names), learned by one batch through the first block of each structure
@@ -368,7 +352,7 @@ class Engine:
                     inputs = self._propagate(block, inputs)
                 if self.observer is not None:
                     self.observer.combine(self.ranks)
-            self._write_block(writer, name, block, original)
+            self.outcomes.write_block(writer, name, block, original)
             self.handle.release(block)
             if journal is not None:
                 journal.block_done(i, self, writer, inputs, result.layers)
@@ -387,41 +371,6 @@ class Engine:
         if self.device.type == "cuda":
             result.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
         return result
-
-    def _write_block(self, writer: ShardedWriter, name: str, block: nn.Module, dtypes: dict[str, torch.dtype]) -> None:
-        packed = {}
-        for layer_name, module in block.named_modules():
-            if layer_name and f"{layer_name}.weight" in dtypes:
-                tensors = self._packed_tensors(f"{name}.{layer_name}", module, dtypes[f"{layer_name}.weight"])
-                if tensors is not None:
-                    packed[f"{layer_name}.weight"] = (layer_name, tensors)
-        for n, p in block.named_parameters():
-            if n in packed:
-                layer_name, tensors = packed[n]
-                for suffix, t in tensors.items():
-                    writer.add(f"{name}.{layer_name}.{suffix}", t)
-            else:
-                writer.add(f"{name}.{n}", p.detach().to(dtypes[n]))
-
-    def _packed_tensors(self, name: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
-        """The packed tensors replacing ``name.weight``, or None to write it dense."""
-        entry = self._outcomes.pop(name, None)
-        if entry is None or self.packer is None:
-            return None
-        outcome, activations = entry
-        quant = outcome.quant
-        if quant is None:
-            log.warning("%s has quantized inputs but no weight codes: it is written dense (activation settings in the record)", name)
-            return None
-        if not torch.equal(get_weight(module).detach().float(), quant.weight.to(module.weight.device).float()):
-            log.warning("%s was changed after it was quantized: it is written dense (fake-quantized)", name)
-            return None
-        reason = self.packer.reason_not_packable(quant, is_conv1d(module), activations)
-        if reason is not None:
-            log.warning("%s is written dense: %s", name, reason)
-            return None
-        self.packed[name] = PackedLayer(quant.scheme, activations, quant.g_idx is not None, not has_trivial_g_idx(quant))
-        return self.packer.tensors(quant, dtype, outcome.input_scale, activations)
 
     # -- 3. everything outside the blocks ---------------------------------------------------------
     def _write_outer(self, writer: ShardedWriter) -> list[LayerReport]:
@@ -442,8 +391,8 @@ class Engine:
                 for report in method.transform_block(module, {layer_name: module}, {}):
                     self.on_layer(report)
                     reports.append(report)
-                self._keep_outcomes(method, {layer_name: module})
-                tensors = self._packed_tensors(layer_name, module, stored["weight"])
+                self.outcomes.keep(method, {layer_name: module})
+                tensors = self.outcomes.packed_tensors(layer_name, module, stored["weight"])
                 for suffix, t in (tensors or {"weight": module.weight.detach().to(stored["weight"])}).items():
                     writer.add(f"{layer_name}.{suffix}", t)
                 handle.release(module, only={"weight"})
