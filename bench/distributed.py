@@ -1,10 +1,11 @@
 """One method with 1 and with N processes (torchrun, gloo on CPUs), its wall time split into phases.
 
     python bench/distributed.py [--model DIR | --width 1024 --blocks 8] [--method gptq|rtn|awq|sparsegpt|wanda]
-                                [--ranks 2] [--samples 32 --seq-len 512] [--threads-per-rank 1]
+                                [-O KEY=VALUE ...] [--ranks 2] [--samples 32 --seq-len 512] [--threads-per-rank 1]
 
 Without ``--model`` it compresses a random Llama of ``--blocks`` blocks of width ``--width`` (MLP 2.75x rounded to 128, 16
-heads, 4 KV heads), where the solves matter. Each run starts ``torchrun --nproc-per-node P`` on this file
+heads, 4 KV heads), where the solves matter. ``-O``: the method's settings, as ``compress quantize -O`` (e.g.
+``-O true_sequential=false``). Each run starts ``torchrun --nproc-per-node P`` on this file
 (``--worker``) with ``OMP_NUM_THREADS`` = threads per rank (1 by default: 2 ranks on 2 cores use them both);
 each rank times its phases (exclusive wall time, `bench/pipeline.py`'s clock): ``capture`` (block 0's
 inputs of its windows), ``order``, ``statistics`` (its forward passes), ``reduce`` (statistics summed over the
@@ -41,6 +42,7 @@ def worker(args) -> None:
     """One rank: the recipe, timed by phase; its figures to ``--report``.rank<N>.json."""
     from pipeline import PhaseClock, instrument
 
+    from compress.cli.options import parse_options
     from compress.engine import block_engine
     from compress.engine.ranks import Ranks
     from compress.engine.statistics import StatsCollector
@@ -54,7 +56,7 @@ def worker(args) -> None:
         clock.wrap(Ranks, attribute, "exchange")
     clock.wrap(block_engine.Engine, "_write_outer", "write")
     recipe = {
-        "model": args.model, "stages": [STAGES[args.method]],
+        "model": args.model, "stages": [{**STAGES[args.method], **parse_options(args.option)}],
         "calibration": {"path": args.calib, "samples": args.samples, "seq_len": args.seq_len},
         "output": {"path": args.out, "format": "compressed-tensors"},
     }
@@ -82,7 +84,7 @@ def launch(args, model: Path, ranks: int, scratch: Path) -> tuple[float, list[di
     out, report = scratch / f"out-{ranks}", scratch / f"report-{ranks}"
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks), __file__, "--worker",
                "--model", str(model), "--method", args.method, "--calib", str(args.calib), "--samples", str(args.samples),
-               "--seq-len", str(args.seq_len), "--out", str(out), "--report", str(report)]
+               "--seq-len", str(args.seq_len), "--out", str(out), "--report", str(report), *(f"-O{o}" for o in args.option)]
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads_per_rank), "PYTHONPATH": str(REPO)}
     start = time.perf_counter()
     subprocess.run(command, check=True, env=env, stdout=subprocess.DEVNULL)
@@ -110,6 +112,7 @@ def main() -> None:
     ap.add_argument("--width", type=int, default=1024)
     ap.add_argument("--blocks", type=int, default=8)
     ap.add_argument("--method", choices=sorted(STAGES), default="gptq")
+    ap.add_argument("-O", "--option", action="append", default=[], help="method setting KEY=VALUE")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--threads-per-rank", type=int, default=1)
     ap.add_argument("--calib", type=Path, default=REPO / "eval/assets/shakespeare-calib-slice.txt")
@@ -121,7 +124,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         model = args.model or random_model(args.width, args.blocks, scratch / f"random-llama-{args.width}x{args.blocks}")
-        print(f"model {model.name}, {args.method}, calibration {args.samples} x {args.seq_len}, "
+        print(f"model {model.name}, {args.method} {' '.join(args.option)}, calibration {args.samples} x {args.seq_len}, "
               f"{args.threads_per_rank} thread(s) per rank, gloo")
         runs = {n: launch(args, model, n, scratch) for n in (1, args.ranks)}
         for n, (wall, reports, _) in runs.items():

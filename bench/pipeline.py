@@ -81,6 +81,7 @@ def instrument(clock: PhaseClock) -> None:
     """Time the engine's phases by wrapping its methods (this process only; the library is unchanged)."""
     from compress.engine import block_engine
     from compress.engine.methods.base import Method
+    from compress.engine.outcomes import LayerOutcomes
     from compress.run import compression
 
     Engine = block_engine.Engine
@@ -89,7 +90,7 @@ def instrument(clock: PhaseClock) -> None:
     clock.wrap(Engine, "capture_inputs", "capture")
     clock.wrap(Engine, "_forward_order", "order")
     clock.wrap(Engine, "_run_until_called", "statistics")
-    clock.wrap(Engine, "_write_block", "write")
+    clock.wrap(LayerOutcomes, "write_block", "write")
     clock.wrap(Engine, "_propagate", "propagation")
     clock.wrap(Engine, "_write_outer", "write")
     clock.wrap(Method, "transform_block", "solve")
