@@ -4,7 +4,8 @@
    extra arguments the architecture passes: attention mask, position ids/embeddings), by running the
    model's base with only its non-block weights materialized and stopping at block 0.
 2. For each block: materialize it on the compute device; for each stage, collect the statistics the
-   stage's method needs with hooks on the selected layers, then let the method transform the block;
+   stage's method needs with hooks on the selected layers (asymmetric calibration: beside an untouched copy of
+   the block run on the original model's inputs, `compress.engine.reference`), then let the method transform the block;
    recompute the block's outputs with the transformed weights, which become the next block's inputs;
    write the block to the output and release it.
 3. Copy (or, for methods needing no statistics, transform) the tensors outside the blocks.
@@ -190,6 +191,15 @@ class Engine:
                         f"method {stage.method.name} needs calibration statistics, collected inside decoder blocks "
                         f"only; exclude {outside[0]}"
                     )
+        for index, stage in enumerate(self.stages):
+            earlier = [s for s in self.stages[:index] if set(s.layers) & set(stage.layers)]
+            if earlier and any(Stat.INPUT_DRIFT in m.needs for m in stage.methods()):
+                # the drift compares with the checkpoint's layer; an earlier stage's rescaled layer computes the same
+                # outputs from other inputs, which the asymmetric target would not know
+                raise CompressError(
+                    f"asymmetric {stage.method.name} after {earlier[0].method.name} on the same layers is not supported: "
+                    "drop asymmetric, or run it alone"
+                )
         if self.needs_data and calibration is None:
             names = [s.method.name for s in self.stages if any(m.needs for m in s.methods())]
             who = f"method {', '.join(names)}" if names else self.observer.name

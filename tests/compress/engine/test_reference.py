@@ -88,3 +88,18 @@ def test_asymmetric_gptq_tracks_the_original_outputs_closer(tmp_path):
             hidden = model.model(input_ids=held_out).last_hidden_state
             errors[asymmetric] = float((hidden - original.model(input_ids=held_out).last_hidden_state).square().mean())
     assert errors[True] < 0.9 * errors[False], errors
+
+
+def test_asymmetric_after_another_stage_on_the_same_layers_is_refused(tmp_path):
+    """An earlier stage may rescale a layer (AWQ, SmoothQuant): the same outputs from other inputs, which the drift
+    against the checkpoint's layer would misread."""
+    from compress.checkpoints.model_io import open_model, quantizable_layers
+    from compress.engine.block_engine import Engine, Stage
+    from compress.errors import CompressError
+
+    model_dir = save_random_model(tiny_llama_config(VOCAB, num_hidden_layers=1), tmp_path / "in")
+    handle = open_model(model_dir)
+    layers = quantizable_layers(handle.model, [handle.block_name(0)])
+    stages = [Stage(RTN(RTN.Config(bits=4, group_size=32)), layers), Stage(GPTQ(GPTQ.Config(bits=4, group_size=32, asymmetric=True)), layers)]
+    with pytest.raises(CompressError, match="asymmetric gptq after rtn"):
+        Engine(handle, stages).check(torch.zeros(2, 8, dtype=torch.long))
