@@ -15,9 +15,9 @@ the blocks (``learned_state``: e.g. static input scales, KV-cache maxima). They 
 ``progress.json`` is replaced atomically, then the previous block's files are removed, so a kill at any point
 leaves a record that names complete files. Under a launcher every process writes its own share of the inputs
 into the main process's directory (one machine, or a shared file system), and the main process writes the record
-once all have; a resumed run needs the same number of processes (it is in the fingerprint). After the last block no inputs are kept: nothing runs on them. The fingerprint is the
-run's settings, the model's file digests and the calibration tokens' digest: a resumed run with another one
-is refused, naming the first difference. `restore` puts the engine, its methods and the writer back where
+once all have; a resumed run needs the same number of processes (it is in the fingerprint). After the last block
+no inputs are kept: nothing runs on them. The fingerprint is the run's settings, the model's file digests and the
+calibration tokens' digest: a resumed run with another one is refused, naming the first difference. `restore` puts the engine, its methods and the writer back where
 the record was taken; the engine then continues with the next block and ends with the same bytes as a run
 never interrupted (the inputs are restored bit for bit, and a block's work depends only on them).
 """
