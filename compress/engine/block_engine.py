@@ -200,6 +200,9 @@ class Engine:
                     f"asymmetric {stage.method.name} after {earlier[0].method.name} on the same layers is not supported: "
                     "drop asymmetric, or run it alone"
                 )
+        if self.needs_reference and not self.all_experts and routing_modules(self.handle.model):
+            raise CompressError("asymmetric calibration compares each expert's inputs token by token: "
+                                "calibrate every expert on every token (drop all_experts: false), or drop asymmetric")
         if self.needs_data and calibration is None:
             names = [s.method.name for s in self.stages if any(m.needs for m in s.methods())]
             who = f"method {', '.join(names)}" if names else self.observer.name

@@ -103,3 +103,17 @@ def test_asymmetric_after_another_stage_on_the_same_layers_is_refused(tmp_path):
     stages = [Stage(RTN(RTN.Config(bits=4, group_size=32)), layers), Stage(GPTQ(GPTQ.Config(bits=4, group_size=32, asymmetric=True)), layers)]
     with pytest.raises(CompressError, match="asymmetric gptq after rtn"):
         Engine(handle, stages).check(torch.zeros(2, 8, dtype=torch.long))
+
+
+def test_asymmetric_with_routed_expert_calibration_is_refused(tmp_path, tiny_tokenizer):
+    """Routed calibration sends each expert other tokens in the two models: no token-by-token drift."""
+    from architectures import save_architecture
+    from compress.checkpoints.model_io import open_model, quantizable_layers
+    from compress.engine.block_engine import Engine, Stage
+    from compress.errors import CompressError
+
+    handle = open_model(save_architecture("qwen2_moe", tmp_path / "moe", tiny_tokenizer))
+    layers = quantizable_layers(handle.model, [handle.block_name(0)])
+    engine = Engine(handle, [Stage(GPTQ(GPTQ.Config(bits=4, group_size=32, asymmetric=True)), layers)], all_experts=False)
+    with pytest.raises(CompressError, match="every expert on every token"):
+        engine.check(torch.zeros(2, 8, dtype=torch.long))
