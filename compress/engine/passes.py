@@ -47,6 +47,11 @@ def split_hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict]:
     return kwargs.pop("hidden_states"), (), kwargs
 
 
+def layer_input(args: tuple, kwargs: dict) -> torch.Tensor:
+    """A layer's input as a forward pre-hook (``with_kwargs=True``) sees it: the first argument, positional or not."""
+    return args[0] if args else next(iter(kwargs.values()))
+
+
 def block_output(out) -> torch.Tensor:
     return out[0] if isinstance(out, (tuple, list)) else out
 
@@ -104,7 +109,7 @@ def inputs_of(block: nn.Module, batch, layers: dict[str, nn.Module]) -> dict[str
 
     def keep(name: str):
         def hook(_module, args, kwargs):
-            seen[name].append(args[0] if args else next(iter(kwargs.values())))
+            seen[name].append(layer_input(args, kwargs))
 
         return hook
 
@@ -135,7 +140,7 @@ def call_order(layers: dict[str, nn.Module], run_sample: Callable[[], Any]) -> C
     calls: list[tuple[str, torch.Tensor]] = []  # holding the inputs keeps their identities unique
     hooks = [
         module.register_forward_pre_hook(
-            lambda _m, args, kwargs, n=name: calls.append((n, args[0] if args else next(iter(kwargs.values())))),
+            lambda _m, args, kwargs, n=name: calls.append((n, layer_input(args, kwargs))),
             with_kwargs=True,
         )
         for name, module in layers.items()

@@ -24,6 +24,8 @@ from typing import Callable
 import torch
 from torch import nn
 
+from compress.engine.passes import layer_input
+
 log = logging.getLogger(__name__)
 
 
@@ -187,7 +189,7 @@ class StatsCollector(AbstractContextManager):
         shared, stats = self._shared.get(name), self.stats[name]
 
         def hook(_module, args, kwargs):
-            x = args[0] if args else next(iter(kwargs.values()))
+            x = layer_input(args, kwargs)
             reference = self._reference(name) if self._reference is not None else None
             shared.feed(name, x, reference) if shared is not None else stats.update(x, reference)
 
