@@ -152,6 +152,10 @@ class FloatScheme:
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         return dequantize(codes, scale, zero, self)
 
+    def rounding_error(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """``w − dequantize(quantize(w))`` (float32): the clipping search's inner loop."""
+        return w.float() - self.dequantize(self.quantize(w, scale, zero), scale, zero)
+
 
 def require_float8() -> None:
     """`CompressError` unless this torch has the float8 dtypes the float formats are stored in."""

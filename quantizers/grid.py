@@ -73,6 +73,20 @@ class QuantScheme:
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         return dequantize(q, scale, zero, self)
 
+    def rounding_error(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
+        """``w − dequantize(quantize(w))`` (float32, ``w``'s shape) in few passes: the clipping search's inner
+        loop. The zero point is an integer, so ``clamp(round(w/s) + z, 0, M) − z == clamp(round(w/s), −z, M − z)``,
+        with constant bounds when symmetric (``z = 2**(bits−1)`` everywhere, see `compute_qparams`)."""
+        g = _grouped(w.float(), self)
+        s = scale.unsqueeze(-1)
+        q = torch.div(g, s).round_()
+        if self.symmetric:
+            q.clamp_(-(1 << (self.bits - 1)), self.max_code - (1 << (self.bits - 1)))
+        else:  # tensor bounds: maximum/minimum are faster than clamp's tensor overload
+            z = zero.unsqueeze(-1)
+            torch.minimum(torch.maximum(q, -z, out=q), self.max_code - z, out=q)
+        return torch.sub(g, q.mul_(s), out=q).reshape(w.shape)
+
 
 def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     """View ``[out, in]`` as ``[out, n_groups, group_width]``."""
@@ -136,15 +150,22 @@ def mse_qparams(
     defaults) and keep, per (row, group), the first ``p`` with the smallest ``sum |w - deq(w)|**norm``.
     The first candidate is always ``p = 1``, so the result is never worse than plain min-max. ``scheme`` is
     any grid with the `QuantScheme` interface (the float grids too, whose scales belong to one row each).
+
+    ``|e|**norm`` is taken as ``exp(norm · log|e|)`` (4x faster than torch's ``pow`` on CPUs, within a few
+    float32 ulps of it), a block of rows at a time so that the candidates' temporaries stay in cache: the
+    search runs 80 candidates over the whole weight, the largest cost of GPTQ's solve.
     """
     if getattr(scheme, "block_rows", 1) != 1:
         raise ValueError("the MSE clipping search chooses per row: it cannot keep a scale shared by a block of rows")
     w = w.float()
+    out_features, in_features = w.shape
+    scheme.groups(in_features)  # raises if the group size does not divide the row
+    rows = max(1, _CACHED_ELEMENTS // in_features)
     best_scale, best_zero = scheme.qparams(w)
-    best_err = _group_error(w, best_scale, best_zero, scheme, norm)
+    best_err = _group_error(w, best_scale, best_zero, scheme, norm, rows)
     for i in range(1, int(max_shrink * grid)):
         scale, zero = scheme.qparams(w, shrink=1 - i / grid)
-        err = _group_error(w, scale, zero, scheme, norm)
+        err = _group_error(w, scale, zero, scheme, norm, rows)
         better = err < best_err  # strict: ties keep the wider range, as the reference does
         best_err = torch.where(better, err, best_err)
         best_scale = torch.where(better, scale, best_scale)
@@ -152,8 +173,15 @@ def mse_qparams(
     return best_scale, best_zero
 
 
-def _group_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme, norm: float) -> torch.Tensor:
-    """``sum |w - deq|**norm`` per (row, group): ``[out, n_groups]``."""
-    deq = scheme.dequantize(scheme.quantize(w, scale, zero), scale, zero)
+_CACHED_ELEMENTS = 1 << 16  # float32 elements per block of rows in the search: 256 KB, well inside a core's L2
+
+
+def _group_error(w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, scheme, norm: float, rows: int) -> torch.Tensor:
+    """``sum |w - deq|**norm`` per (row, group): ``[out, n_groups]``, ``rows`` rows at a time."""
     out_features, in_features = w.shape
-    return (w - deq).abs_().pow_(norm).reshape(out_features, scheme.groups(in_features), -1).sum(dim=-1)
+    errors = w.new_empty(out_features, scheme.groups(in_features))
+    for r in range(0, out_features, rows):
+        e = scheme.rounding_error(w[r : r + rows], scale[r : r + rows], zero[r : r + rows])
+        e = e.abs_().log_().mul_(norm).exp_()  # |e| ** norm; log 0 = -inf gives exp 0
+        torch.sum(e.reshape(e.shape[0], errors.shape[1], -1), dim=-1, out=errors[r : r + rows])
+    return errors

@@ -242,3 +242,15 @@ def test_quantize_accepts_half_precision():
     ref_q, ref_s, _, _, ratio = reference_grid(w16.float().numpy(), 4, False, 32)
     np.testing.assert_allclose(s.numpy(), ref_s, rtol=1e-6)
     assert_codes_match(codes.numpy(), ref_q, ratio, False, 4)
+
+
+@pytest.mark.parametrize("bits,sym,gs,shape", CASES[::5])
+@pytest.mark.parametrize("shrink", [1.0, 0.6])
+def test_rounding_error_is_the_round_trip_error(bits, sym, gs, shape, shrink):
+    """The clipping search's fused ``w − deq(q(w))`` equals the reference grid's round trip, clipped codes too."""
+    w = random_weight(shape, seed=bits + 7 * shape[0])
+    scheme = QuantScheme(bits=bits, symmetric=sym, group_size=gs)
+    scale, zero = compute_qparams(w, scheme, shrink=shrink)
+    q = np.clip(np.rint(w.numpy() / expand_groups(scale.numpy(), shape[1])) + expand_groups(zero.numpy(), shape[1]), 0, 2**bits - 1)
+    expected = w.numpy() - expand_groups(scale.numpy(), shape[1]) * (q - expand_groups(zero.numpy(), shape[1]))
+    np.testing.assert_allclose(scheme.rounding_error(w, scale, zero).numpy(), expected, rtol=0, atol=1e-6)

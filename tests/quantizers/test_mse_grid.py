@@ -61,22 +61,27 @@ def test_never_worse_than_min_max(bits, sym, gs):
 @pytest.mark.parametrize("grid,max_shrink,norm", [(100, 0.8, 2.4), (20, 0.5, 2.0), (7, 1.0, 3.0), (10, 0.1, 2.4)])
 @pytest.mark.parametrize("bits,sym,gs", [(3, True, 32), (4, False, 32), (2, False, -1), (4, True, -1)])
 def test_equals_brute_force(grid, max_shrink, norm, bits, sym, gs):
+    """Every candidate's error in float64 numpy: the search keeps the first minimum. The search takes
+    ``|e|**norm`` as ``exp(norm log|e|)`` in float32, so where two candidates' errors lie within float32
+    noise of each other (1e-5 relative) either may win; everywhere else the choice is the brute force's."""
     w = heavy_tailed((10, 96), seed=grid + bits)
     scheme = QuantScheme(bits=bits, symmetric=sym, group_size=gs)
     shrinks = [1 - i / grid for i in range(int(max_shrink * grid))]
     cands = [compute_qparams(w, scheme, shrink=p) for p in shrinks]
-    errs = []
-    for s, z in cands:
-        deq = dequantize(quantize(w, s, z, scheme), s, z, scheme)
-        e = (w - deq).abs().pow(norm)
-        errs.append(e.reshape(10, s.shape[1], -1).sum(-1).numpy())
-    best = np.argmin(np.stack(errs), axis=0)  # first minimum: ties keep the larger shrink factor
+    errs = np.stack([independent_error(w, s, z, bits, norm) for s, z in cands])  # [candidates, rows, groups]
+    best = np.argmin(errs, axis=0)  # first minimum: ties keep the larger shrink factor
     exp_s = np.take_along_axis(np.stack([c[0].numpy() for c in cands]), best[None], 0)[0]
     exp_z = np.take_along_axis(np.stack([c[1].numpy() for c in cands]), best[None], 0)[0]
 
     scale, zero = mse_qparams(w, scheme, grid=grid, max_shrink=max_shrink, norm=norm)
-    np.testing.assert_array_equal(scale.numpy(), exp_s)
-    np.testing.assert_array_equal(zero.numpy(), exp_z)
+    minimum = errs.min(axis=0)
+    runner_up = np.where(errs > minimum * (1 + 1e-12), errs, np.inf).min(axis=0)
+    clear = runner_up > minimum * (1 + 1e-5)
+    assert clear.mean() > 0.9  # the cases are not all near-ties
+    np.testing.assert_array_equal(scale.numpy()[clear], exp_s[clear])
+    np.testing.assert_array_equal(zero.numpy()[clear], exp_z[clear])
+    chosen = independent_error(w, scale, zero, bits, norm)
+    assert (chosen <= minimum * (1 + 1e-5)).all()
 
 
 def test_single_candidate_is_min_max():
