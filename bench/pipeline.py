@@ -79,7 +79,7 @@ class PhaseClock:
 
 def instrument(clock: PhaseClock) -> None:
     """Time the engine's phases by wrapping its methods (this process only; the library is unchanged)."""
-    from compress.engine import block_engine
+    from compress.engine import block_engine, ranks
     from compress.engine.methods.base import Method
     from compress.engine.outcomes import LayerOutcomes
     from compress.run import compression
@@ -94,6 +94,7 @@ def instrument(clock: PhaseClock) -> None:
     clock.wrap(Engine, "_propagate", "propagation")
     clock.wrap(Engine, "_write_outer", "write")
     clock.wrap(Method, "transform_block", "solve")
+    clock.wrap(ranks, "solve_row_slices", "solve")  # several processes: each solves its rows of every layer
     for method_class in _method_classes(Method):
         if "transform_block" in vars(method_class):
             clock.wrap(method_class, "transform_block", "solve")

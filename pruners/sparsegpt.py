@@ -39,7 +39,7 @@ import torch
 from compress.pruners.masks import NM, Pattern, prune_lowest_nm, prune_lowest_per_row
 from compress.pruners.result import PruneResult
 from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, quantize
-from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, layer_error, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, solver_figures, solver_inputs
 from compress.quantizers.result import QuantResult
 from compress.quantizers.threads import one_thread
 
@@ -60,11 +60,17 @@ class SparseGPTConfig:
             raise ValueError(f"block_size {self.block_size} must be a multiple of the N:M group size {self.pattern.m}")
 
 
+def rows_independent(config: SparseGPTConfig) -> bool:
+    """Whether row slices of a layer can be pruned apart: an N:M mask is chosen in each row, the unstructured
+    mask over a whole block of columns, all rows together (as the reference implementation does)."""
+    return isinstance(config.pattern, NM)
+
+
 def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConfig) -> PruneResult:
     """Prune (and in joint mode quantize) ``weight [out, in]`` with SparseGPT given ``hessian [in, in]``.
 
     ``stats`` as GPTQ's (``damp``, ``lambda``, ``damp_retries``, ``dead_columns``, ``error`` =
-    tr((W−Ŵ) H (W−Ŵ)ᵀ), ``rel_error``) plus ``sparsity`` (fraction of exact zeros in ``Ŵ``).
+    tr((W−Ŵ) H (W−Ŵ)ᵀ), ``energy``, ``rel_error``) plus ``sparsity`` (fraction of exact zeros in ``Ŵ``).
     Raises ``ValueError`` on non-finite inputs, mismatched shapes, or an unfactorizable Hessian.
     """
     W, H = solver_inputs(weight, hessian)
@@ -125,16 +131,13 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
         pruned[:, i1:i2] = mask1
         W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
 
-    # Proxy loss with the caller's Hessian (undamped): (2/n)‖(W − Ŵ)X‖² for H = 2/n X Xᵀ.
-    error, rel_error = layer_error(weight.detach(), Q, hessian.detach())
     stats = {
-        "sparsity": float((Q == 0).float().mean()),
+        "sparsity": int((Q == 0).sum()) / Q.numel(),  # exact: the slices of a layer's rows combine by their counts
         "damp": damp,
         "lambda": lam,
         "damp_retries": retries,
         "dead_columns": int(dead.sum()),
-        "error": error,
-        "rel_error": rel_error,
+        **solver_figures(weight, Q, hessian),
     }
     quant = QuantResult(Q, codes, scale, zero, scheme) if scheme is not None else None
     return PruneResult(Q, pruned, quant, stats)

@@ -133,6 +133,12 @@ class FloatScheme:
     def group_width(self, in_features: int) -> int:
         return in_features if self.group_size == -1 else self.group_size
 
+    @property
+    def rows_independent(self) -> bool:
+        """True: each row's grid depends on that row alone (no scale shared by a block of rows, no per-tensor
+        scale still to fit from the whole weight), so row slices of a layer can be quantized apart."""
+        return self.block_rows == 1 and (self.grid is not FloatGrid.NVFP4 or self.global_scale is not None)
+
     def fit(self, w: torch.Tensor) -> "FloatScheme":
         """This scheme with its per-tensor parameters fixed from ``w`` (NVFP4's global scale; kept if set)."""
         if self.grid is not FloatGrid.NVFP4 or self.global_scale is not None:

@@ -103,7 +103,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
 
     ``stats``: ``damp`` (relative damping finally used) and ``lambda`` (absolute), ``damp_retries``,
     ``dead_columns`` (``H_ii == 0``: quantized to zero), ``error`` = tr((W−Q) H (W−Q)ᵀ) with the
-    given ``H`` and ``rel_error`` = error / tr(W H Wᵀ). Raises ``ValueError`` on non-finite inputs,
+    given ``H``, ``energy`` = tr(W H Wᵀ) and ``rel_error`` = error / energy. Raises ``ValueError`` on non-finite inputs,
     mismatched shapes, or a Hessian that no damping within ``max_damp_tries`` makes factorizable.
     """
     scheme = config.scheme
@@ -172,15 +172,12 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         Q, codes = Q[:, inverse], codes[:, inverse]
         g_idx = (torch.arange(in_features, device=W.device) // width).to(torch.int32)
 
-    # Proxy loss with the caller's Hessian (undamped): (2/n)‖(W − Q)X‖² for H = 2/n X Xᵀ.
-    error, rel_error = layer_error(weight.detach(), Q, hessian.detach())
     stats = {
         "damp": damp,
         "lambda": lam,
         "damp_retries": retries,
         "dead_columns": int(dead.sum()),
-        "error": error,
-        "rel_error": rel_error,
+        **solver_figures(weight, Q, hessian),
     }
     return QuantResult(Q, codes, scale, zero, scheme, g_idx=g_idx, stats=stats)
 
@@ -189,6 +186,15 @@ def proxy_loss(delta: torch.Tensor, H: torch.Tensor) -> float:
     """``tr(Δ H Δᵀ)`` for ``Δ [out, in]``: summed per row, then over rows in float64, so that the figure does
     not depend on the thread count (a whole-tensor sum is split across threads and rounds differently)."""
     return float(((delta @ H) * delta).sum(dim=1).double().sum())
+
+
+def solver_figures(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> dict[str, float]:
+    """A second-order solver's proxy figures with the caller's (undamped) Hessian: ``error`` = tr((W − Q) H (W − Q)ᵀ),
+    i.e. (2/n)‖(W − Q)X‖² for H = 2/n X Xᵀ, ``energy`` = tr(W H Wᵀ) and their ratio ``rel_error``. Error and
+    energy are sums over rows, so the figures of a layer's row slices add up to the layer's."""
+    W, H = weight.detach().float(), hessian.detach().float()
+    energy, error = proxy_loss(W, H), proxy_loss(W - quantized.float(), H)
+    return {"error": error, "rel_error": error / energy if energy > 0 else 0.0, "energy": energy}
 
 
 def layer_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> tuple[float, float]:

@@ -56,6 +56,11 @@ class QuantScheme:
         return in_features if self.group_size == -1 else self.group_size
 
     # The grid interface quantizers drive (shared with `float_grid.FloatScheme`).
+    @property
+    def rows_independent(self) -> bool:
+        """True: each row's grid depends on that row alone, so row slices of a layer can be quantized apart."""
+        return True
+
     def fit(self, w: torch.Tensor) -> "QuantScheme":
         """This scheme with its per-tensor parameters fixed from ``w``: the integer grid has none."""
         return self

@@ -28,3 +28,12 @@ class QuantResult:
     scheme: Grid
     g_idx: torch.Tensor | None = None
     stats: dict[str, float] = field(default_factory=dict)
+
+
+def concat_rows(parts: list[QuantResult]) -> QuantResult:
+    """One layer's result from the results of its row slices, in row order (quantized apart on one grid with
+    ``rows_independent``): weight, codes, scale and zero concatenated; grid and ``g_idx`` (per column) are the
+    slices' own. ``stats`` is left empty: what the slices' figures add up to is the caller's to say."""
+    first = parts[0]
+    cat = lambda field: torch.cat([getattr(p, field) for p in parts])  # noqa: E731
+    return QuantResult(cat("weight"), cat("codes"), cat("scale"), cat("zero"), first.scheme, first.g_idx)

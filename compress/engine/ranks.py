@@ -1,8 +1,9 @@
 """Many processes on one engine (``torchrun`` / ``accelerate launch`` + torch.distributed), and one.
 
 With N ranks the engine splits the calibration windows across them (data-parallel calibration and
-propagation), reduces every layer's statistics so each rank holds the global ones, and hands each
-layer-by-layer solve to one rank, balanced by cost, broadcasting the results (weight-parallel solving).
+propagation), reduces every layer's statistics so each rank holds the global ones, and splits the
+layer-by-layer solves among them (weight-parallel solving): each layer's rows for the second-order solvers,
+whole layers balanced by cost otherwise, sharing the results.
 `Ranks()` is the single process: every collective is the identity, so the engine has one code path.
 
 Reductions run in float64 and every rank receives the same reduced bits (all-reduce), so ranks that
@@ -14,13 +15,15 @@ from __future__ import annotations
 import datetime
 import logging
 import os
+import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from compress.checkpoints.model_io import get_weight
+from compress.checkpoints.model_io import get_weight, set_weight
+from compress.engine.methods.base import LayerReport
 
 log = logging.getLogger(__name__)
 
@@ -172,9 +175,12 @@ class Replay:
 
 
 def solve_on_owners(ranks: Ranks, method, block: nn.Module, layers: dict[str, nn.Module], stats, replay) -> list:
-    """Weight-parallel `Method.transform_block` for a layer-by-layer method: each rank solves its share of
-    ``layers`` (balanced by rows x columns², the cost of a second-order solve), then the owners broadcast the
-    new weights and share their codes, reports and learned state, so every rank holds what one process would."""
+    """Weight-parallel `Method.transform_block` for a layer-by-layer method, so every rank ends holding what one
+    process would. A `row_parallel` method splits every layer's rows among the ranks (`solve_row_slices`); any
+    other gives each layer to one rank, balanced by rows x columns² (the cost of a second-order solve), whose
+    owner broadcasts the new weight and shares its codes, report and learned state."""
+    if method.row_parallel and all(get_weight(m).shape[0] >= ranks.world for m in layers.values()):
+        return solve_row_slices(ranks, method, layers, stats)
     costs = {}
     for name, module in layers.items():
         out_features, in_features = get_weight(module).shape
@@ -197,3 +203,26 @@ def solve_on_owners(ranks: Ranks, method, block: nn.Module, layers: dict[str, nn
                 state[name] = values[name]
         ordered.append(share["reports"][name])
     return ordered
+
+
+def solve_row_slices(ranks: Ranks, method, layers: dict[str, nn.Module], stats) -> list:
+    """Each rank transforms its contiguous share of every layer's rows (with the layer's whole statistics), the
+    shares are gathered and merged (`Method.merge_rows`) on every rank: the solve divides evenly, where whole
+    layers leave the rank holding the largest one (a block's ``down_proj``) the last to finish. Every rank
+    repeats the per-layer work that does not depend on the rows (GPTQ's factorization of H)."""
+    mine = {}
+    for name, module in layers.items():
+        start = time.perf_counter()
+        weight = get_weight(module).detach().float()
+        rows = torch.arange(weight.shape[0]).tensor_split(ranks.world)[ranks.rank]
+        outcome = method.transform_layer(name, weight[int(rows[0]) : int(rows[-1]) + 1], stats[name])
+        mine[name] = (outcome, time.perf_counter() - start)
+    shares = ranks.gather(mine)
+    reports = []
+    for name, module in layers.items():
+        outcome = method.merge_rows([share[name][0] for share in shares])
+        set_weight(module, outcome.weight)
+        method.keep_outcome(name, outcome)
+        seconds = max(share[name][1] for share in shares)  # the slices ran side by side
+        reports.append(LayerReport(name, tuple(outcome.weight.shape), seconds, outcome.info))
+    return reports

@@ -52,7 +52,8 @@ class InputStatistics:
         self.needs = needs
         self.count = 0  # token vectors seen
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
-        self.outer_sum = zeros(in_features, in_features) if Stat.HESSIAN in needs else None  # Σ x xᵀ
+        # Σ x xᵀ, its upper triangle (and whatever lies below it in the diagonal blocks): see add_upper_gram_
+        self.outer_sum = zeros(in_features, in_features) if Stat.HESSIAN in needs else None
         self.sq_sum = zeros(in_features) if Stat.INPUT_L2 in needs else None  # Σ x²
         self.absmax = torch.zeros(in_features, device=device) if Stat.INPUT_ABSMAX in needs else None
         self.abs_sum = zeros(in_features) if Stat.INPUT_ABSMEAN in needs else None  # Σ |x|
@@ -72,7 +73,7 @@ class InputStatistics:
             if window.shape[0] == 0:
                 continue
             if self.outer_sum is not None:
-                self.outer_sum.add_(window.t() @ window)
+                add_upper_gram_(self.outer_sum, window)
             if self.drift_sum is not None:
                 self.drift_sum.add_((ref - window).t() @ window)
             if self.sq_sum is not None:
@@ -106,7 +107,7 @@ class InputStatistics:
         n = max(self.count, 1)
         out: dict[Stat, torch.Tensor] = {}
         if self.outer_sum is not None:
-            out[Stat.HESSIAN] = (self.outer_sum * (2.0 / n)).float()
+            out[Stat.HESSIAN] = (symmetric_from_upper(self.outer_sum) * (2.0 / n)).float()
         if self.sq_sum is not None:
             out[Stat.INPUT_L2] = self.sq_sum.sqrt().float()
         if self.absmax is not None:
@@ -116,6 +117,27 @@ class InputStatistics:
         if self.drift_sum is not None:
             out[Stat.INPUT_DRIFT] = (self.drift_sum * (2.0 / n)).float()
         return out
+
+
+def _gram_step(width: int) -> int:
+    """Columns per block of `add_upper_gram_`: about 8 blocks (their products stay large enough to run at full
+    speed), none below 512 columns (there one product is as fast)."""
+    return width if width < 512 else max(256, -(-width // 8 + 63) // 64 * 64)
+
+
+def add_upper_gram_(total: torch.Tensor, x: torch.Tensor) -> None:
+    """``total += xᵀx`` (``x [tokens, in]``) on and above the diagonal, a block of columns at a time: the Gram
+    matrix is symmetric, so the blocks below are never multiplied or added, about half the work of the full
+    product (collecting the Hessians is most of a GPTQ statistics pass). Read it with `symmetric_from_upper`."""
+    step = _gram_step(x.shape[1])
+    for i in range(0, x.shape[1], step):
+        total[i : i + step, i:].add_(x[:, i : i + step].t() @ x[:, i:])
+
+
+def symmetric_from_upper(total: torch.Tensor) -> torch.Tensor:
+    """The symmetric matrix whose upper triangle `add_upper_gram_` filled (exactly symmetric)."""
+    upper = total.triu()
+    return upper + upper.triu(1).t()
 
 
 def layer_in_features(module: nn.Module) -> int:

@@ -8,6 +8,7 @@ them) override `transform_block`. The engine never asks a method's name.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, ClassVar
@@ -18,7 +19,7 @@ from torch import nn
 
 from compress.checkpoints.model_io import get_weight, set_weight
 from compress.quantizers.asymmetric import asymmetric_target
-from compress.quantizers.result import QuantResult
+from compress.quantizers.result import QuantResult, concat_rows
 from compress.engine.statistics import Stat
 
 
@@ -48,6 +49,8 @@ class LayerOutcome:
     input_scale: torch.Tensor | None = None
     # The method quantizes this layer's inputs (W8A8): a later stage re-quantizing the weights keeps that.
     quantizes_input: bool = False
+    # tr(W H Wᵀ) (second-order solvers): what ``info["error"]`` is relative to, kept so row slices' figures combine
+    energy: float | None = None
 
 
 @dataclass
@@ -83,6 +86,17 @@ class Method:
         """True: each layer is transformed alone (`transform_layer`, no `transform_block` of its own), so
         the engine may solve a block's layers on different processes."""
         return type(self).transform_block is Method.transform_block
+
+    @property
+    def row_parallel(self) -> bool:
+        """True: a layer's rows can be transformed apart, each slice with the whole layer's statistics
+        (`transform_layer` on ``weight[rows]``), and the slices' outcomes merged (`merge_rows`), so the engine
+        may split one layer over processes. Its ``learned_state`` must come out the same from every slice."""
+        return False
+
+    def merge_rows(self, parts: list[LayerOutcome]) -> LayerOutcome:
+        """One layer's outcome from its row slices' (`row_parallel`), in row order."""
+        raise NotImplementedError
 
     def prepare(self, model: nn.Module) -> None:
         """Learn what the method needs of the architecture (``model`` is the weightless skeleton), raising
@@ -167,6 +181,27 @@ class HessianMethod(Method):
     def sequential(self) -> bool:
         return self.config.true_sequential
 
+    @property
+    def row_parallel(self) -> bool:
+        """The solvers' rows are independent given H (GPTQ's column loop, SparseGPT's per-row masks, the asymmetric
+        target ``W + WΔ(H+λI)⁻¹``); a grid whose scale spans rows (FP8 blocks, NVFP4's per-tensor scale) is not."""
+        scheme = self.config.scheme()
+        return scheme is None or scheme.rows_independent
+
+    def merge_rows(self, parts: list[LayerOutcome]) -> LayerOutcome:
+        """Weights and codes stacked; ``error`` summed and ``rel_error`` taken on the summed energy; ``sparsity``
+        weighted by rows; the damping and dead columns, which depend on H alone, are the slices' own."""
+        first, rows = parts[0], [p.weight.shape[0] for p in parts]
+        info = dict(first.info)
+        energy = sum(p.energy for p in parts)
+        if "error" in info:
+            info["error"] = sum(p.info["error"] for p in parts)
+            info["rel_error"] = info["error"] / energy if energy > 0 else 0.0
+        if "sparsity" in info:
+            info["sparsity"] = sum(p.info["sparsity"] * n for p, n in zip(parts, rows)) / sum(rows)
+        quant = concat_rows([p.quant for p in parts]) if first.quant is not None else None
+        return dataclasses.replace(first, weight=torch.cat([p.weight for p in parts]), info=info, quant=quant, energy=energy)
+
     def solve(self, name: str, solver, weight: torch.Tensor, stats: dict[Stat, torch.Tensor], config, keys: tuple[str, ...]):
         """Run ``solver(weight, H, config)``; returns the layer outcome with the ``keys`` of its stats. With the
         INPUT_DRIFT statistic the solver's weight is the asymmetric target (`compress.quantizers.asymmetric`)."""
@@ -179,4 +214,5 @@ class HessianMethod(Method):
         except ValueError as exc:
             raise CompressError(f"{self.label} failed on {name}: {exc}") from None
         quant = result if isinstance(result, QuantResult) else getattr(result, "quant", None)  # SparseGPT joint
-        return LayerOutcome(result.weight, {k: result.stats[k] for k in keys if k in result.stats}, quant=quant)
+        info = {k: result.stats[k] for k in keys if k in result.stats}
+        return LayerOutcome(result.weight, info, quant=quant, energy=result.stats.get("energy"))

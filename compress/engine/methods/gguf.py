@@ -46,6 +46,10 @@ class GGUFGPTQ(HessianMethod):
         self.types = types
         self.encoded: dict[str, tuple[GGMLType, np.ndarray]] = {}  # layer name -> (type, [out, row_bytes])
 
+    @property
+    def row_parallel(self) -> bool:
+        return False  # each layer's GGML bytes are encoded whole (``encoded``), on one process
+
     def transform_layer(self, name, weight, stats) -> LayerOutcome:
         cfg = self.config
         config = GGUFGPTQConfig(self.types[name], cfg.block_size, cfg.damp, weighted_fit=cfg.weighted_fit)

@@ -16,7 +16,7 @@ from compress.engine.methods.base import HessianMethod, LayerOutcome, Method, Me
 from compress.engine.methods.rtn import GroupSize, check_group_size
 from compress.pruners.magnitude import MagnitudeConfig, magnitude
 from compress.pruners.masks import NM, Pattern, Unstructured
-from compress.pruners.sparsegpt import SparseGPTConfig, sparsegpt
+from compress.pruners.sparsegpt import SparseGPTConfig, rows_independent, sparsegpt
 from compress.pruners.wanda import WandaConfig, wanda
 from compress.quantizers.grid import MAX_BITS, MIN_BITS, QuantScheme
 from compress.engine.registry import register_method
@@ -114,8 +114,15 @@ class SparseGPT(HessianMethod, _Pruner):
         if self.config.bits is not None:
             check_group_size(name, in_features, self.config.group_size)
 
-    def transform_layer(self, name, weight, stats) -> LayerOutcome:
+    @property
+    def row_parallel(self) -> bool:
+        return super().row_parallel and rows_independent(self._solver_config())
+
+    def _solver_config(self) -> SparseGPTConfig:
         cfg = self.config
-        config = SparseGPTConfig(cfg.target(), block_size=cfg.block_size, damp=cfg.damp, scheme=cfg.scheme())
+        return SparseGPTConfig(cfg.target(), block_size=cfg.block_size, damp=cfg.damp, scheme=cfg.scheme())
+
+    def transform_layer(self, name, weight, stats) -> LayerOutcome:
+        config = self._solver_config()
         keys = ("sparsity", "error", "rel_error", "damp", "damp_retries", "dead_columns")
         return self.solve(name, sparsegpt, weight, stats, config, keys)

@@ -405,3 +405,18 @@ def test_collector_pairs_each_layer_with_its_reference():
         np.testing.assert_allclose(results[name][Stat.INPUT_DRIFT].numpy(), reference_drift(inputs[name], refs[name], layer_in_features(layers[name])),
                                    rtol=1e-5, atol=1e-6)
     assert torch.equal(results["twin"][Stat.INPUT_DRIFT], results["second"][Stat.INPUT_DRIFT])
+
+
+@pytest.mark.parametrize("width", [7, 511, 512, 1000, 2049])
+def test_upper_gram_is_the_full_product(width):
+    """The block-upper Gram accumulation mirrored: xᵀx of a float64 reference, exactly symmetric."""
+    from compress.engine.statistics import add_upper_gram_, symmetric_from_upper
+
+    x = torch.randn(48, width, generator=torch.Generator().manual_seed(width))
+    total = torch.zeros(width, width, dtype=torch.float64)
+    add_upper_gram_(total, x)
+    add_upper_gram_(total, 2 * x)
+    gram = symmetric_from_upper(total)
+    expected = 5 * (x.double().t() @ x.double())
+    torch.testing.assert_close(gram, expected, rtol=1e-5, atol=1e-4)
+    assert torch.equal(gram, gram.t())
