@@ -37,6 +37,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from compress.quantizers.grid import group_extremes
 from compress.errors import CompressError
 
 
@@ -149,8 +150,12 @@ class FloatScheme:
         """The grid of one column whose ``[out, 1]`` scale is already known (GPTQ's column loop)."""
         return replace(self, group_size=-1, block_rows=1, column=True)
 
-    def qparams(self, w: torch.Tensor, shrink: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        return compute_qparams(w, self, shrink)
+    def extremes(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each (row, group)'s smallest and largest weight ``[out, n_groups]``: all `qparams` reads of ``w``."""
+        return group_extremes(w, self)
+
+    def qparams(self, w: torch.Tensor, shrink: float | torch.Tensor = 1.0, extremes=None) -> tuple[torch.Tensor, torch.Tensor]:
+        return compute_qparams(w, self, shrink, extremes)
 
     def quantize(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         return quantize(w, scale, zero, self)
@@ -311,12 +316,13 @@ def effective_scale(scale: torch.Tensor, scheme: FloatScheme) -> torch.Tensor:
 
 
 def compute_qparams(
-    w: torch.Tensor, scheme: FloatScheme, shrink: float | torch.Tensor = 1.0
+    w: torch.Tensor, scheme: FloatScheme, shrink: float | torch.Tensor = 1.0, extremes=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale per (row, group) as stored (float32 values; NVFP4: the E4M3 local scale) and zeros: ``[out, n_groups]``.
 
-    ``shrink`` (<= 1) narrows each group's range first (clipping searches)."""
-    absmax = _share_rows(_grouped(w.float(), scheme).abs().amax(dim=-1) * shrink, scheme.block_rows)
+    ``shrink`` (<= 1) narrows each group's range first (clipping searches); ``extremes``: `group_extremes(w)`."""
+    low, high = extremes if extremes is not None else group_extremes(w, scheme)
+    absmax = _share_rows(torch.maximum(-low, high).abs_() * shrink, scheme.block_rows)  # max |w| (abs_: no -0)
     if scheme.grid is FloatGrid.FP8:
         scale = absmax / FloatFormat.E4M3.max
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group: any scale is exact

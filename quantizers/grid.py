@@ -69,8 +69,13 @@ class QuantScheme:
         """The grid of one column whose ``[out, 1]`` scale and zero are already known (GPTQ's column loop)."""
         return QuantScheme(self.bits, self.symmetric, -1)
 
-    def qparams(self, w: torch.Tensor, shrink: float | torch.Tensor = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
-        return compute_qparams(w, self, shrink)
+    def extremes(self, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each (row, group)'s smallest and largest weight ``[out, n_groups]``: all `qparams` reads of ``w``."""
+        return group_extremes(w, self)
+
+    def qparams(self, w: torch.Tensor, shrink: float | torch.Tensor = 1.0, extremes=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """``extremes``: `extremes(w)` already taken (a clipping search tries many shrink factors on one ``w``)."""
+        return compute_qparams(w, self, shrink, extremes)
 
     def quantize(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         return quantize(w, scale, zero, self)
@@ -99,22 +104,29 @@ def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return w.reshape(out_features, scheme.groups(in_features), scheme.group_width(in_features))
 
 
+def group_extremes(w: torch.Tensor, scheme) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each (row, group)'s smallest and largest value of ``w [out, in]``, float32 ``[out, n_groups]`` (any grid)."""
+    out_features, in_features = w.shape
+    g = w.float().reshape(out_features, scheme.groups(in_features), scheme.group_width(in_features))
+    return g.amin(dim=-1), g.amax(dim=-1)
+
+
 def compute_qparams(
-    w: torch.Tensor, scheme: QuantScheme, shrink: float | torch.Tensor = 1.0
+    w: torch.Tensor, scheme: QuantScheme, shrink: float | torch.Tensor = 1.0, extremes=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Min-max scale and zero point per (row, group), in float32: each ``[out, n_groups]``.
 
     ``shrink`` (<= 1) narrows the range before computing the scale: the clipping searches of
-    GPTQ's MSE grid and AWQ use it.
+    GPTQ's MSE grid and AWQ use it. ``extremes``: `group_extremes` of ``w``, when already taken.
     """
-    g = _grouped(w.float(), scheme)
+    low, high = extremes if extremes is not None else group_extremes(w, scheme)
     if scheme.symmetric:
-        absmax = g.abs().amax(dim=-1) * shrink
+        absmax = torch.maximum(-low, high).abs_() * shrink  # max |w|, exactly (abs_: no -0 of an all-zero group)
         scale = absmax / (scheme.max_code / 2)
         zero = torch.full_like(scale, float(1 << (scheme.bits - 1)))
     else:
-        lo = g.amin(dim=-1).clamp(max=0) * shrink
-        hi = g.amax(dim=-1).clamp(min=0) * shrink
+        lo = low.clamp(max=0) * shrink
+        hi = high.clamp(min=0) * shrink
         scale = (hi - lo) / scheme.max_code
         zero = torch.round(-lo / torch.where(scale > 0, scale, 1.0)).clamp(0, scheme.max_code)
     # An all-zero group: any positive scale reproduces it exactly (q == z).
@@ -166,10 +178,11 @@ def mse_qparams(
     out_features, in_features = w.shape
     scheme.groups(in_features)  # raises if the group size does not divide the row
     rows = max(1, _CACHED_ELEMENTS // in_features)
-    best_scale, best_zero = scheme.qparams(w)
+    extremes = scheme.extremes(w)
+    best_scale, best_zero = scheme.qparams(w, extremes=extremes)
     best_err = _group_error(w, best_scale, best_zero, scheme, norm, rows)
     for i in range(1, int(max_shrink * grid)):
-        scale, zero = scheme.qparams(w, shrink=1 - i / grid)
+        scale, zero = scheme.qparams(w, shrink=1 - i / grid, extremes=extremes)
         err = _group_error(w, scale, zero, scheme, norm, rows)
         better = err < best_err  # strict: ties keep the wider range, as the reference does
         best_err = torch.where(better, err, best_err)
