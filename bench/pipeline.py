@@ -94,7 +94,7 @@ def instrument(clock: PhaseClock) -> None:
     clock.wrap(Engine, "_propagate", "propagation")
     clock.wrap(Engine, "_write_outer", "write")
     clock.wrap(Method, "transform_block", "solve")
-    clock.wrap(ranks, "solve_row_slices", "solve")  # several processes: each solves its rows of every layer
+    clock.wrap(ranks, "solve_shares", "solve")  # several processes: each solves its layers and rows
     for method_class in _method_classes(Method):
         if "transform_block" in vars(method_class):
             clock.wrap(method_class, "transform_block", "solve")

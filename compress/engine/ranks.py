@@ -174,21 +174,23 @@ class Replay:
         return self.run()
 
 
+def solve_cost(module: nn.Module) -> float:
+    """A layer's second-order solve cost, rows x columns² (GPTQ's and SparseGPT's column loop)."""
+    out_features, in_features = get_weight(module).shape
+    return float(out_features) * in_features * in_features
+
+
 def solve_on_owners(ranks: Ranks, method, block: nn.Module, layers: dict[str, nn.Module], stats, replay) -> list:
     """Weight-parallel `Method.transform_block` for a layer-by-layer method, so every rank ends holding what one
-    process would. A `row_parallel` method splits every layer's rows among the ranks (`solve_row_slices`); any
-    other gives each layer to one rank, balanced by rows x columns² (the cost of a second-order solve), whose
-    owner broadcasts the new weight and shares its codes, report and learned state."""
-    if method.row_parallel and all(get_weight(m).shape[0] >= ranks.world for m in layers.values()):
-        return solve_row_slices(ranks, method, layers, stats)
-    costs = {}
-    for name, module in layers.items():
-        out_features, in_features = get_weight(module).shape
-        costs[name] = float(out_features) * in_features * in_features
-    owner = ranks.assign(costs)
+    process would. A `row_parallel` method may split layers by rows (`solve_shares`); any other gives each layer
+    to one rank, balanced by cost, whose owner broadcasts the new weight and shares its codes, report and
+    learned state."""
+    if method.row_parallel:
+        return solve_shares(ranks, method, layers, stats)
+    owner = ranks.assign({name: solve_cost(module) for name, module in layers.items()})
     mine = {n: m for n, m in layers.items() if owner[n] == ranks.rank}
     reports = {r.name: r for r in (method.transform_block(block, mine, {n: stats[n] for n in mine}, replay=replay) if mine else [])}
-    learned = {attr: {n: v for n, v in method.__dict__.get(attr, {}).items() if n in mine} for attr in method.learned_state}
+    learned = _learned(method, mine)
     shares = ranks.gather({"reports": reports, "kept": method.take_outcomes(), "learned": learned})
     ordered = []
     for name, module in layers.items():
@@ -196,33 +198,63 @@ def solve_on_owners(ranks: Ranks, method, block: nn.Module, layers: dict[str, nn
         ranks.broadcast_(module.weight.data, owner[name])
         if name in share["kept"]:
             method.keep_outcome(name, share["kept"][name])
-        for attr, values in share["learned"].items():
-            state = method.__dict__.setdefault(attr, {})
-            state.pop(name, None)  # re-inserted in layer order, as one process would have
-            if name in values:
-                state[name] = values[name]
+        _adopt_learned(method, name, share["learned"])
         ordered.append(share["reports"][name])
     return ordered
 
 
-def solve_row_slices(ranks: Ranks, method, layers: dict[str, nn.Module], stats) -> list:
-    """Each rank transforms its contiguous share of every layer's rows (with the layer's whole statistics), the
-    shares are gathered and merged (`Method.merge_rows`) on every rank: the solve divides evenly, where whole
-    layers leave the rank holding the largest one (a block's ``down_proj``) the last to finish. Every rank
-    repeats the per-layer work that does not depend on the rows (GPTQ's factorization of H)."""
+def _learned(method, names) -> dict[str, dict]:
+    """What ``method`` learned about the layers ``names`` (its ``learned_state`` attributes, by layer)."""
+    return {attr: {n: v for n, v in method.__dict__.get(attr, {}).items() if n in names} for attr in method.learned_state}
+
+
+def _adopt_learned(method, name: str, learned: dict[str, dict]) -> None:
+    """Take layer ``name``'s learned state from another rank's `_learned`, in layer order as one process has it."""
+    for attr, values in learned.items():
+        state = method.__dict__.setdefault(attr, {})
+        state.pop(name, None)  # re-inserted in layer order, as one process would have
+        if name in values:
+            state[name] = values[name]
+
+
+def plan_shares(ranks: Ranks, layers: dict[str, nn.Module]) -> dict[str, int | None]:
+    """Each layer's rank, or None for a layer whose rows every rank shares: a layer costing more than an even
+    share of the group (a block's lone ``down_proj``, or ``q_proj`` beside the smaller ``k_proj``/``v_proj``) is
+    split, so no rank waits on it; the others go whole, the costliest first to the least loaded rank (a split
+    costs every rank the work that does not shrink with the rows, e.g. GPTQ's factorization of H)."""
+    costs = {name: solve_cost(module) for name, module in layers.items()}
+    even = sum(costs.values()) / ranks.world
+    split = {n for n, c in costs.items() if c > even and get_weight(layers[n]).shape[0] >= ranks.world}
+    owner = ranks.assign({n: c for n, c in costs.items() if n not in split}) if len(split) < len(costs) else {}
+    return {name: None if name in split else owner[name] for name in layers}
+
+
+def solve_shares(ranks: Ranks, method, layers: dict[str, nn.Module], stats) -> list:
+    """`solve_on_owners` for a `row_parallel` method: each rank transforms its whole layers and its contiguous
+    share of the split layers' rows (each with the layer's whole statistics); the outcomes and learned state
+    are gathered, the slices merged (`Method.merge_rows`), and every rank applies them (every slice of a layer
+    records the same learned state: rank 0's is taken)."""
+    plan = plan_shares(ranks, layers)
     mine = {}
     for name, module in layers.items():
+        if plan[name] not in (None, ranks.rank):
+            continue
         start = time.perf_counter()
         weight = get_weight(module).detach().float()
-        rows = torch.arange(weight.shape[0]).tensor_split(ranks.world)[ranks.rank]
-        outcome = method.transform_layer(name, weight[int(rows[0]) : int(rows[-1]) + 1], stats[name])
-        mine[name] = (outcome, time.perf_counter() - start)
-    shares = ranks.gather(mine)
+        if plan[name] is None:
+            rows = torch.arange(weight.shape[0]).tensor_split(ranks.world)[ranks.rank]
+            weight = weight[int(rows[0]) : int(rows[-1]) + 1]
+        mine[name] = (method.transform_layer(name, weight, stats[name]), time.perf_counter() - start)
+    shares = ranks.gather({"outcomes": mine, "learned": _learned(method, mine)})
     reports = []
     for name, module in layers.items():
-        outcome = method.merge_rows([share[name][0] for share in shares])
+        if plan[name] is None:
+            outcome = method.merge_rows([share["outcomes"][name][0] for share in shares])
+            seconds = max(share["outcomes"][name][1] for share in shares)  # the slices ran side by side
+        else:
+            outcome, seconds = shares[plan[name]]["outcomes"][name]
+        _adopt_learned(method, name, shares[plan[name] or 0]["learned"])
         set_weight(module, outcome.weight)
         method.keep_outcome(name, outcome)
-        seconds = max(share[name][1] for share in shares)  # the slices ran side by side
         reports.append(LayerReport(name, tuple(outcome.weight.shape), seconds, outcome.info))
     return reports

@@ -15,16 +15,19 @@ from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from compress.cli.app import app
-from compress.engine.ranks import Ranks
+from compress.engine.ranks import Ranks, plan_shares
 from conftest import CALIB_TEXT, REFERENCE_MODEL
 
 CALIB = ["--calib", str(CALIB_TEXT), "--samples", "6", "--seq-len", "96"]
 CASES = {
     "rtn": ["quantize", "--method", "rtn"],
     "gptq+kv-int8": ["quantize", "--method", "gptq", "--kv-cache", "int8", *CALIB],
+    # static input scales: learned state of layers solved whole on the other rank, in one process's order
+    "gptq-w8a8-static": ["quantize", "--method", "gptq", "--bits", "8", "--group-size", "-1", "-O", "activations=int8-tensor", *CALIB],
     "awq": ["quantize", "--method", "awq", *CALIB],
     "smoothquant": ["quantize", "--method", "smoothquant", *CALIB],
     "sparsegpt": ["prune", "--method", "sparsegpt", "--sparsity", "0.5", *CALIB],
+    "sparsegpt-2:4-w4": ["prune", "--method", "sparsegpt", "--pattern", "2:4", "-O", "bits=4", *CALIB],  # rows split
     "wanda-2:4": ["prune", "--method", "wanda", "--pattern", "2:4", *CALIB],
     "gguf-gptq": ["export", "--type", "q4_k_m", "--method", "gptq", *CALIB],
     "gguf-gptq-asymmetric": ["export", "--type", "q4_k", "--method", "gptq", "-O", "asymmetric=true", *CALIB],
@@ -57,6 +60,20 @@ def test_jobs_are_balanced_within_grahams_bound():
             for choice in itertools.product(range(world), repeat=len(costs))
         )
         assert makespan <= (4 / 3 - 1 / (3 * world)) * best + 1e-9
+
+
+def test_layers_too_large_for_an_even_share_are_split_by_rows():
+    """A layer costing more than half a group's solve (rows x columns²) is split over 2 ranks; the others go
+    whole, balanced: q/k/v split q and give k, v one rank each; gate/up go one each; a lone down_proj is split."""
+    def linears(**shapes):
+        return {name: torch.nn.Linear(cols, rows, bias=False, device="meta") for name, (rows, cols) in shapes.items()}
+
+    ranks = Ranks(rank=0, world=2)
+    assert plan_shares(ranks, linears(q=(1024, 1024), k=(256, 1024), v=(256, 1024))) == {"q": None, "k": 0, "v": 1}
+    assert plan_shares(ranks, linears(gate=(2816, 1024), up=(2816, 1024))) == {"gate": 0, "up": 1}
+    assert plan_shares(ranks, linears(down=(1024, 2816))) == {"down": None}
+    assert plan_shares(ranks, linears(tiny=(1, 64))) == {"tiny": 0}  # fewer rows than ranks: whole
+    assert plan_shares(Ranks(), linears(q=(1024, 1024), k=(256, 1024))) == {"q": 0, "k": 0}
 
 
 def test_windows_are_shared_in_order():
