@@ -12,6 +12,7 @@ repeat a computation on reduced statistics (AWQ, SmoothQuant) stay in step witho
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import logging
 import os
@@ -203,6 +204,21 @@ def solve_on_owners(ranks: Ranks, method, block: nn.Module, layers: dict[str, nn
     return ordered
 
 
+def _byte_codes(outcome):
+    """``outcome`` with its codes as bytes when they fit (8 bits or fewer: every grid here) for the trip to the
+    other ranks: the codes are a third of what a layer's outcome sends; `_int32_codes` restores them."""
+    codes = None if outcome.quant is None else outcome.quant.codes
+    if codes is None or codes.dtype != torch.int32 or codes.numel() == 0 or int(codes.min()) < 0 or int(codes.max()) > 255:
+        return outcome
+    return dataclasses.replace(outcome, quant=dataclasses.replace(outcome.quant, codes=codes.to(torch.uint8)))
+
+
+def _int32_codes(outcome):
+    if outcome.quant is None or outcome.quant.codes.dtype != torch.uint8:
+        return outcome
+    return dataclasses.replace(outcome, quant=dataclasses.replace(outcome.quant, codes=outcome.quant.codes.to(torch.int32)))
+
+
 def _learned(method, names) -> dict[str, dict]:
     """What ``method`` learned about the layers ``names`` (its ``learned_state`` attributes, by layer)."""
     return {attr: {n: v for n, v in method.__dict__.get(attr, {}).items() if n in names} for attr in method.learned_state}
@@ -245,14 +261,16 @@ def solve_shares(ranks: Ranks, method, layers: dict[str, nn.Module], stats) -> l
             rows = torch.arange(weight.shape[0]).tensor_split(ranks.world)[ranks.rank]
             weight = weight[int(rows[0]) : int(rows[-1]) + 1]
         mine[name] = (method.transform_layer(name, weight, stats[name]), time.perf_counter() - start)
-    shares = ranks.gather({"outcomes": mine, "learned": _learned(method, mine)})
+    compact = {name: (_byte_codes(outcome), seconds) for name, (outcome, seconds) in mine.items()}
+    shares = ranks.gather({"outcomes": compact, "learned": _learned(method, mine)})
     reports = []
     for name, module in layers.items():
         if plan[name] is None:
-            outcome = method.merge_rows([share["outcomes"][name][0] for share in shares])
+            outcome = method.merge_rows([_int32_codes(share["outcomes"][name][0]) for share in shares])
             seconds = max(share["outcomes"][name][1] for share in shares)  # the slices ran side by side
         else:
             outcome, seconds = shares[plan[name]]["outcomes"][name]
+            outcome = _int32_codes(outcome)
         _adopt_learned(method, name, shares[plan[name] or 0]["learned"])
         set_weight(module, outcome.weight)
         method.keep_outcome(name, outcome)
