@@ -136,41 +136,52 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H  # damped in place and no longer needed: free it before the column loop
 
-    Q = torch.zeros_like(W)
-    codes = torch.zeros(out_features, in_features, dtype=torch.int32, device=W.device)
+    # The loop works on the transposed weight: GPTQ visits one column at a time, and a row of ``Wt [in, out]`` is
+    # contiguous where a column of ``W`` is strided (each per-column operation ~1.5x faster); the values are the same.
+    Wt = W.t().contiguous()
+    del W
+    Qt = torch.zeros_like(Wt)
+    codes_t = torch.zeros(in_features, out_features, dtype=torch.int32, device=Wt.device)
+    if config.act_order:
+        scale_t, zero_t = scale.t().contiguous(), zero.t().contiguous()  # [n_groups, out]: a group's row contiguous
+    else:
+        scale_t, zero_t = Wt.new_empty(n_groups, out_features), Wt.new_empty(n_groups, out_features)
     column = scheme.per_column()  # one column with its own grid
     for i1 in range(0, in_features, config.block_size):
         i2 = min(i1 + config.block_size, in_features)
-        W1 = W[:, i1:i2].clone()
+        W1 = Wt[i1:i2].clone()  # [B, out]: the block's columns
         Err1 = torch.zeros_like(W1)
         U1 = U[i1:i2, i1:i2]
-        with one_thread(W.device):  # small per-column operations: see quantizers/threads.py
+        with one_thread(Wt.device):  # small per-column operations: see quantizers/threads.py
             for i in range(i2 - i1):
                 j, g = i1 + i, group_of[i1 + i]
                 if not config.act_order and j % width == 0:
                     # The group's grid from its columns as they are now: in-block columns from W1,
                     # later ones from W with this block's pending updates applied.
-                    cols = W1[:, i : i + width]
+                    cols = W1[i : i + width]
                     if j + width > i2:
-                        pending = W[:, i2 : j + width] - Err1 @ U[i1:i2, i2 : j + width]
-                        cols = torch.cat([cols, pending], dim=1)
-                    s, z = qparams(cols)
-                    scale[:, g : g + 1], zero[:, g : g + 1] = s, z
-                s, z = scale[:, g : g + 1], zero[:, g : g + 1]
-                w = W1[:, i : i + 1]
+                        pending = Wt[i2 : j + width] - U[i1:i2, i2 : j + width].t() @ Err1
+                        cols = torch.cat([cols, pending])
+                    s, z = qparams(cols.t())
+                    scale_t[g], zero_t[g] = s[:, 0], z[:, 0]
+                s, z = scale_t[g].view(-1, 1), zero_t[g].view(-1, 1)
+                w = W1[i].view(-1, 1)  # column j as [out, 1], contiguous
                 q = column.quantize(w, s, z)
                 deq = column.dequantize(q, s, z)
-                codes[:, j : j + 1], Q[:, j : j + 1] = q, deq
+                codes_t[j], Qt[j] = q.view(-1), deq.view(-1)
                 err = (w - deq) / U1[i, i]
-                W1[:, i + 1 :] -= err @ U1[i : i + 1, i + 1 :]
-                Err1[:, i : i + 1] = err
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
+                W1[i + 1 :] -= U1[i, i + 1 :].unsqueeze(1) @ err.view(1, -1)
+                Err1[i] = err.view(-1)
+        Wt[i2:] -= U[i1:i2, i2:].t() @ Err1  # lazy batch update of all later columns
+    Q, codes = Qt.t(), codes_t.t()
+    scale, zero = scale_t.t().contiguous(), zero_t.t().contiguous()
 
     g_idx = None
     if config.act_order:
         inverse = torch.argsort(perm)
         Q, codes = Q[:, inverse], codes[:, inverse]
-        g_idx = (torch.arange(in_features, device=W.device) // width).to(torch.int32)
+        g_idx = (torch.arange(in_features, device=Q.device) // width).to(torch.int32)
+    Q, codes = Q.contiguous(), codes.contiguous()
 
     stats = {
         "damp": damp,
