@@ -106,8 +106,7 @@ def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
 
 def group_extremes(w: torch.Tensor, scheme) -> tuple[torch.Tensor, torch.Tensor]:
     """Each (row, group)'s smallest and largest value of ``w [out, in]``, float32 ``[out, n_groups]`` (any grid)."""
-    out_features, in_features = w.shape
-    g = w.float().reshape(out_features, scheme.groups(in_features), scheme.group_width(in_features))
+    g = _grouped(w.float(), scheme)  # any grid: only its groups() and group_width() are read
     return g.amin(dim=-1), g.amax(dim=-1)
 
 
@@ -175,10 +174,8 @@ def mse_qparams(
     if getattr(scheme, "block_rows", 1) != 1:
         raise ValueError("the MSE clipping search chooses per row: it cannot keep a scale shared by a block of rows")
     w = w.float()
-    out_features, in_features = w.shape
-    scheme.groups(in_features)  # raises if the group size does not divide the row
-    rows = max(1, _CACHED_ELEMENTS // in_features)
-    extremes = scheme.extremes(w)
+    extremes = scheme.extremes(w)  # raises if the group size does not divide the row
+    rows = max(1, _CACHED_ELEMENTS // w.shape[1])
     best_scale, best_zero = scheme.qparams(w, extremes=extremes)
     best_err = _group_error(w, best_scale, best_zero, scheme, norm, rows)
     for i in range(1, int(max_shrink * grid)):
