@@ -90,6 +90,7 @@ def instrument(clock: PhaseClock) -> None:
     clock.wrap(Engine, "capture_inputs", "capture")
     clock.wrap(Engine, "_forward_order", "order")
     clock.wrap(Engine, "_run_until_called", "statistics")
+    clock.wrap(Engine, "_one_pass", "one pass")
     clock.wrap(LayerOutcomes, "write_block", "write")
     clock.wrap(Engine, "_propagate", "propagation")
     clock.wrap(Engine, "_write_outer", "write")
@@ -228,7 +229,7 @@ def main() -> None:
               f"{''.join(' ' + item for item in args.set)}, calibration {args.samples} x "
               f"{args.seq_len}, {args.threads} threads, {args.device}")
         print("\n| phase | seconds | share | calls |\n|---|---:|---:|---:|")
-        for phase in ("load", "capture", "order", "statistics", "solve", "replay", "propagation", "write"):
+        for phase in ("load", "capture", "order", "statistics", "one pass", "solve", "replay", "propagation", "write"):
             if phase in phases:
                 print(f"| {phase} | {phases[phase]:.2f} | {100 * phases[phase] / seconds:.0f}% | {counts.get(phase, 0)} |")
         rest = seconds - sum(phases.values())

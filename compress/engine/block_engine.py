@@ -10,7 +10,8 @@
    write the block to the output and release it.
 3. Copy (or, for methods needing no statistics, transform) the tensors outside the blocks.
 
-Only one block's weights are in compute memory at a time. The engine never tests a method's name.
+True-sequential layer-by-layer methods (GPTQ, SparseGPT) collect statistics, solve and propagate in one forward
+pass where the calibration windows fit in one batch (`compress.engine.one_pass`). Only one block's weights are in compute memory at a time. The engine never tests a method's name.
 With several processes (`compress.engine.ranks`), each runs its share of the calibration windows,
 statistics are combined over all of them, layer-by-layer methods solve each layer on one rank and
 broadcast it, and only the main rank's writer keeps what it is given.
@@ -23,9 +24,8 @@ import logging
 import resource
 import time
 from pathlib import Path
-from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass, field
-from typing import Callable, Protocol
+from contextlib import nullcontext
+from typing import Callable
 
 import torch
 from torch import nn
@@ -40,65 +40,18 @@ from compress.engine.ranks import Ranks, Replay, solve_on_owners
 from compress.engine.activations import Activations
 from compress.engine.outcomes import LayerOutcomes
 from compress.engine.passes import (
-    CallOrder, InputCatcher, StopForward, call_order, propagate, run_block, run_until_called, split_hidden,
+    CallOrder, CallsDiverged, InputCatcher, StopForward, call_order, propagate, run_block, run_until_called, split_hidden,
 )
 from compress.checkpoints.model_io import ModelHandle, get_weight
+from compress.engine.one_pass import first_window, memory_for_one_pass, one_pass_batch, one_pass_capable, solve_while_propagating
 from compress.engine.reference import ReferenceStream
+from compress.engine.stages import BlockObserver, EngineResult, Stage  # noqa: F401 - imported from here too
 from compress.engine.statistics import Stat, StatsCollector, collect_statistics
 
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
 LayerFn = Callable[[LayerReport], None]  # called as each layer is finished
-
-
-class BlockObserver(Protocol):
-    """Watches each compressed block compute its outputs on the calibration inputs (`Engine` ``observer``)."""
-
-    name: str  # for messages
-
-    def watch(self, block_name: str, block: nn.Module) -> AbstractContextManager: ...
-
-    def combine(self, ranks: Ranks) -> None:
-        """Merge what every rank watched (after each block's run)."""
-
-
-@dataclass
-class Stage:
-    """One method applied to a selection of layers (full names).
-
-    ``overrides`` (a per-layer plan): layers that run another instance of the stage's method, with their
-    own settings; they are grouped and calibrated with the rest, each instance transforming its layers."""
-
-    method: Method
-    layers: dict[str, nn.Module]
-    overrides: dict[str, Method] = field(default_factory=dict)
-
-    def method_for(self, name: str) -> Method:
-        return self.overrides.get(name, self.method)
-
-    def methods(self) -> list[Method]:
-        """Every instance that runs: the stage's method, then each distinct override."""
-        return list({id(m): m for m in [self.method, *self.overrides.values()]}.values())
-
-    def split(self, layers: dict[str, nn.Module]) -> list[tuple[Method, dict[str, nn.Module]]]:
-        """``layers`` grouped by the instance that transforms them, in their order."""
-        parts: dict[int, tuple[Method, dict[str, nn.Module]]] = {}
-        for name, module in layers.items():
-            method = self.method_for(name)
-            parts.setdefault(id(method), (method, {}))[1][name] = module
-        return list(parts.values())
-
-
-@dataclass
-class EngineResult:
-    layers: list[LayerReport] = field(default_factory=list)
-    blocks: int = 0
-    seconds: float = 0.0
-    peak_rss_bytes: int = 0
-    peak_device_bytes: int | None = None
-    final_hidden: list[torch.Tensor] | None = None  # the last block's outputs, when asked for
-    final_reference: list[torch.Tensor] | None = None  # ... and the uncompressed model's (asymmetric calibration)
 
 
 def _expert_tokens(block_name: str, routing: dict, collector: StatsCollector) -> dict[str, dict[str, int]]:
@@ -168,6 +121,25 @@ class Engine:
         self._block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
         self._call_orders: dict[tuple, CallOrder] = {}  # (block class, selected layers) -> relative names, see _call_order
         self._in_blocks = tuple(name + "." for name in self._block_names)
+        self._one_pass_stage = self._stage_for_one_pass()
+
+    def _stage_for_one_pass(self) -> Stage | None:
+        """The run's only stage, when its statistics and solves can ride the propagation pass (`compress.engine.
+        one_pass`): no reference stream or observer beside the pass, no routed experts (inputs differ per expert)."""
+        if len(self.stages) != 1 or self.observer is not None or self.needs_reference:
+            return None
+        stage = self.stages[0]
+        return stage if one_pass_capable(stage.methods()) and not routing_modules(self.handle.model) else None
+
+    def capture_batch(self, windows: torch.Tensor) -> int:
+        """Windows per captured batch: all of them when one pass may solve the blocks and fits in memory
+        (`--activation-memory`, else `memory_for_one_pass`), else ``batch_size``."""
+        stage = self._one_pass_stage
+        if stage is None or windows.shape[0] <= self.batch_size:
+            return self.batch_size
+        allowed = self.activation_memory if self.activation_memory is not None else memory_for_one_pass(self.device)
+        fits = one_pass_batch(stage.layers, windows, self.handle.model.config, self.dtype, allowed)
+        return windows.shape[0] if fits else self.batch_size
 
     @property
     def packed(self) -> dict[str, PackedLayer]:
@@ -230,7 +202,7 @@ class Engine:
         catcher = InputCatcher(handle.blocks[0])
         handle.blocks[0] = catcher
         inputs = self.new_activations()
-        batches = calibration.split(self.batch_size)
+        batches = calibration.split(self.capture_batch(calibration))
         try:
             with torch.inference_mode():
                 for i, batch in enumerate(batches):
@@ -279,21 +251,60 @@ class Engine:
             sequential = stage.method.sequential and stage.method.needs
             order = self._call_order(block, block_name, layers, inputs) if stage.method.needs else None
             for group in order.groups if sequential else [layers]:
-                needs = frozenset().union(*(stage.method_for(name).needs for name in group))
+                needs = self._group_needs(stage, group)
                 collector = self._collect(block, inputs, group, needs, routing, order.same_input if needs else [])
-                collector.combine(self.ranks)
-                stats = collector.results()
-                tokens = self._expert_tokens(block_name, routing, collector) if needs else {}
-                replay = Replay(lambda: self._run_block(block, inputs), self.ranks)  # methods that measure outputs
-                for method, part in stage.split(group):
-                    parallel = self.ranks.world > 1 and method.layerwise
-                    solve = functools.partial(solve_on_owners, self.ranks) if parallel else self._solve
-                    for report in solve(method, block, part, {n: stats[n] for n in part}, replay):
-                        report.info.update(tokens.get(report.name, {}))
-                        self.on_layer(report)
-                        reports.append(report)
-                    self.outcomes.keep(method, part)
+                reports += self._solve_group(stage, block, block_name, group, collector, routing, inputs)
         return reports
+
+    @staticmethod
+    def _group_needs(stage: Stage, group: dict[str, nn.Module]) -> frozenset[Stat]:
+        return frozenset().union(*(stage.method_for(name).needs for name in group))
+
+    def _solve_group(self, stage: Stage, block: nn.Module, block_name: str, group: dict[str, nn.Module],
+                     collector: StatsCollector, routing: dict, inputs) -> list[LayerReport]:
+        """Transform ``group``'s layers from the statistics ``collector`` holds (this rank's; combined here)."""
+        collector.combine(self.ranks)
+        stats = collector.results()
+        tokens = self._expert_tokens(block_name, routing, collector) if collector.needs else {}
+        replay = Replay(lambda: self._run_block(block, inputs), self.ranks)  # methods that measure outputs
+        reports = []
+        for method, part in stage.split(group):
+            parallel = self.ranks.world > 1 and method.layerwise
+            solve = functools.partial(solve_on_owners, self.ranks) if parallel else self._solve
+            for report in solve(method, block, part, {n: stats[n] for n in part}, replay):
+                report.info.update(tokens.get(report.name, {}))
+                self.on_layer(report)
+                reports.append(report)
+            self.outcomes.keep(method, part)
+        return reports
+
+    def _one_pass(self, index: int, inputs: Activations) -> tuple[list[LayerReport], Activations] | None:
+        """Block ``index`` compressed in the pass that propagates its inputs: its reports and outputs; None where
+        that cannot be (batches not captured as one, layers called other than once). Should the block call its
+        layers otherwise than its structure's first block, its weights are read again and None returned: the
+        caller compresses it pass by pass."""
+        stage, block, block_name = self._one_pass_stage, self.handle.blocks[index], self._block_names[index]
+        layers = {n: m for n, m in stage.layers.items() if n.startswith(block_name + ".")} if stage else {}
+        if not layers or len(inputs) != 1:
+            return None
+        try:  # the call order from one window: a fraction of a forward pass over all of them
+            order = self._call_order(block, block_name, layers, [first_window(inputs[0], inputs[0][0].shape[0])])
+        except (RuntimeError, ValueError, IndexError) as exc:  # an argument cut where it should not have been
+            log.debug("%s: call order from every window (%s)", block_name, exc)
+            order = self._call_order(block, block_name, layers, inputs)
+        if not order.once:
+            return None
+        needs_of = functools.partial(self._group_needs, stage)
+        solve_group = lambda group, collector: self._solve_group(stage, block, block_name, group, collector, {}, inputs)  # noqa: E731
+        try:
+            reports, hidden = solve_while_propagating(block, inputs[0], order, needs_of, solve_group)
+        except CallsDiverged as exc:
+            log.warning("%s: compressing pass by pass (%s)", block_name, exc)
+            self.handle.materialize(block, block_name, self.device, self.dtype)
+            return None
+        outputs = self.new_activations()
+        outputs.append(hidden, *inputs[0][1:])
+        return reports, outputs
 
     def _expert_tokens(self, block_name: str, routing: dict, collector: StatsCollector) -> dict[str, dict[str, int]]:
         counts = _expert_tokens(block_name, routing, collector)
@@ -318,6 +329,7 @@ class Engine:
         return CallOrder(
             [{f"{block_name}.{r}": layers[f"{block_name}.{r}"] for r in group} for group in order.groups],
             [[f"{block_name}.{r}" for r in names] for names in order.same_input],
+            order.once,
         )
 
     def _forward_order(self, block: nn.Module, layers: dict[str, nn.Module], sample) -> CallOrder:
@@ -357,10 +369,16 @@ class Engine:
         for i in range(first, len(blocks)):
             block, name = blocks[i], self._block_names[i]
             original = self.handle.materialize(block, name, self.device, self.dtype)
-            result.layers += self._compress_block(i, inputs)
+            solved = self._one_pass(i, inputs)
+            if solved is not None:  # compressed while propagating
+                result.layers += solved[0]
+                inputs.close()
+                inputs = solved[1]
+            else:
+                result.layers += self._compress_block(i, inputs)
             if self.reference is not None and (i + 1 < len(blocks) or self.keep_final_hidden):
                 self.reference.advance()
-            if self.needs_data and (i + 1 < len(blocks) or self.keep_final_hidden or self.observer is not None):
+            if solved is None and self.needs_data and (i + 1 < len(blocks) or self.keep_final_hidden or self.observer is not None):
                 with self.observer.watch(name, block) if self.observer is not None else nullcontext():
                     inputs = self._propagate(block, inputs)
                 if self.observer is not None:

@@ -4,6 +4,8 @@
 - `run_block`: the block's outputs on every calibration batch (propagation, and methods' replays).
 - `run_until_called`: a statistics pass that stops once the layers it collects for have run; `inputs_of`: the
   inputs a batch feeds some layers, from such a pass.
+- `run_solving`: true-sequential in one pass: each group of layers transformed just before it runs, the
+  block's output the transformed block's.
 - `call_order`: the block's layers grouped in call order, and the sets of them fed the very same tensor.
 """
 
@@ -19,6 +21,10 @@ from torch import nn
 
 class StopForward(Exception):
     """Raised inside a forward pass to end it early (caught by whoever started the pass)."""
+
+
+class CallsDiverged(Exception):
+    """A block called its layers otherwise than the `CallOrder` learned on its structure's first block."""
 
 
 class InputCatcher(nn.Module):
@@ -122,6 +128,46 @@ def inputs_of(block: nn.Module, batch, layers: dict[str, nn.Module]) -> dict[str
     return seen
 
 
+def run_solving(block: nn.Module, batch, groups: list[dict[str, nn.Module]],
+                solve: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
+    """``block``'s output on one ``(hidden, args, kwargs)`` batch, each of ``groups`` (a `CallOrder`'s, every
+    layer called once) transformed by ``solve(k, x)`` just before its first layer runs, ``x`` the input the
+    group is about to be fed. Each group's input is then computed with the groups before it transformed, which
+    is what true-sequential's statistics pass for that group sees (`run_until_called`), and the output is the
+    transformed block's (the propagation): one forward pass where the passes cost about 2 and propagation 1.
+    Raises `CallsDiverged` when a layer is not fed its group's input, called twice or never."""
+    where = {name: (k, j) for k, group in enumerate(groups) for j, name in enumerate(group)}
+    fed: dict[int, torch.Tensor] = {}
+    called: set[str] = set()
+
+    def hook_for(name: str):
+        k, position = where[name]
+
+        def hook(_module, args, kwargs):
+            x = layer_input(args, kwargs)
+            if name in called or (position > 0 and fed.get(k) is not x):
+                raise CallsDiverged(f"{name} was called twice or not on its group's input")
+            called.add(name)
+            if position == 0:
+                fed[k] = x
+                solve(k, x)
+
+        return hook
+
+    handles = [module.register_forward_pre_hook(hook_for(name), with_kwargs=True)
+               for group in groups for name, module in group.items()]
+    try:
+        with torch.inference_mode():
+            h, args, kwargs = batch
+            out = block_output(block(h, *args, **kwargs))
+    finally:
+        for handle in handles:
+            handle.remove()
+    if len(called) != len(where):
+        raise CallsDiverged(f"{sorted(set(where) - called)[0]} was never called")
+    return out
+
+
 @dataclass(frozen=True)
 class CallOrder:
     """How one batch through a block calls its layers (relative names).
@@ -129,10 +175,12 @@ class CallOrder:
     ``groups``: the layers in call order, those called in a row on the very same input tensor (q/k/v,
     gate/up) together, then any never called. ``same_input``: sets of two or more layers fed the very same
     tensor anywhere in the pass (q/k/v, gate/up, and every expert's gate/up when all experts calibrate):
-    their input statistics are the same, so they are collected once (`StatsCollector`)."""
+    their input statistics are the same, so they are collected once (`StatsCollector`). ``once``: every layer
+    was called exactly once (what `run_solving` needs)."""
 
     groups: list[list[str]]
     same_input: list[list[str]]
+    once: bool = True
 
 
 def call_order(layers: dict[str, nn.Module], run_sample: Callable[[], Any]) -> CallOrder:
@@ -167,4 +215,4 @@ def call_order(layers: dict[str, nn.Module], run_sample: Callable[[], Any]) -> C
     repeated = {name for name, count in collections.Counter(n for n, _ in calls).items() if count > 1}
     same_input = [names for names in by_input.values() if len(names) > 1 and not repeated & set(names)]
     uncalled = [n for n in layers if n not in first_input]
-    return CallOrder(groups + ([uncalled] if uncalled else []), same_input)
+    return CallOrder(groups + ([uncalled] if uncalled else []), same_input, not repeated and not uncalled)

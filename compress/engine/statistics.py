@@ -207,13 +207,15 @@ class StatsCollector(AbstractContextManager):
     def _new(self, module: nn.Module) -> InputStatistics:
         return InputStatistics(layer_in_features(module), self.needs, module.weight.device)
 
-    def _feeder(self, name: str):
-        shared, stats = self._shared.get(name), self.stats[name]
+    def feed(self, name: str, x: torch.Tensor) -> None:
+        """Add ``x``, an input of layer ``name`` (what each forward pre-hook does)."""
+        shared = self._shared.get(name)
+        reference = self._reference(name) if self._reference is not None else None
+        shared.feed(name, x, reference) if shared is not None else self.stats[name].update(x, reference)
 
+    def _feeder(self, name: str):
         def hook(_module, args, kwargs):
-            x = layer_input(args, kwargs)
-            reference = self._reference(name) if self._reference is not None else None
-            shared.feed(name, x, reference) if shared is not None else stats.update(x, reference)
+            self.feed(name, layer_input(args, kwargs))
 
         return hook
 

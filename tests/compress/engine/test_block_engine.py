@@ -273,7 +273,8 @@ def test_call_order_follows_the_data_flow(arch, expected, same_input, tmp_path):
     assert short(order.same_input) == [sorted(g) for g in same_input]
 
 
-def test_true_sequential_statistics_see_quantized_earlier_groups(tmp_path):
+@pytest.mark.parametrize("engine", [{}, {"batch_size": 2, "activation_memory": 1}], ids=["one-pass", "pass-by-pass"])
+def test_true_sequential_statistics_see_quantized_earlier_groups(engine, tmp_path):
     """o_proj's Hessian comes from a block whose q/k/v are already quantized (and nothing else)."""
     model_dir = save_random_model(tiny_llama_config(VOCAB, num_hidden_layers=1), tmp_path / "in")
     calibration = torch.randint(0, VOCAB, (3, 20), generator=torch.Generator().manual_seed(3))
@@ -284,7 +285,7 @@ def test_true_sequential_statistics_see_quantized_earlier_groups(tmp_path):
             seen[name] = stats[Stat.HESSIAN].clone()
             return super().transform_layer(name, weight, stats)
 
-    run_engine(model_dir, tmp_path / "out", Recording(RTN.Config(bits=2, group_size=32)), calibration)
+    run_engine(model_dir, tmp_path / "out", Recording(RTN.Config(bits=2, group_size=32)), calibration, **engine)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     attn = model.model.layers[0].self_attn
     with torch.no_grad():
@@ -314,7 +315,8 @@ def test_statistics_passes_stop_after_their_group(tmp_path):
     stages = [Stage(SequentialRTN(RTN.Config(bits=4, group_size=32)), quantizable_layers(handle.model, [handle.block_name(0)]))]
     (tmp_path / "out").mkdir()
     writer = ShardedWriter(tmp_path / "out", 1 << 30)
-    Engine(handle, stages, batch_size=2).run(writer, calibration)
+    # pass by pass (no memory for one pass over all windows, see test_one_pass.py)
+    Engine(handle, stages, batch_size=2, activation_memory=1).run(writer, calibration)
     writer.close()
     # 2 batches; one sample batch learns the call order; 4 group passes; no propagation after the last block
     assert calls == {"q_proj": 1 + 4 * 2, "o_proj": 1 + 3 * 2, "up_proj": 1 + 2 * 2, "down_proj": 1 + 1 * 2}

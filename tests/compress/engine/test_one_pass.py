@@ -1,0 +1,121 @@
+"""True-sequential in the propagation pass (`compress.engine.one_pass`, `passes.run_solving`) against the
+pass-by-pass engine and against hand-computed toy blocks."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from compress.checkpoints.model_io import open_model, quantizable_layers
+from compress.engine.block_engine import Engine, Stage
+from compress.engine.methods.gptq import GPTQ
+from compress.engine.one_pass import first_window, one_pass_bytes
+from compress.engine.passes import CallsDiverged, run_solving
+from conftest import save_random_model, tiny_llama_config
+from engine_cases import run_engine
+
+VOCAB = 300
+PASS_BY_PASS = {"batch_size": 2, "activation_memory": 1}  # batches of 2 and no room for one pass over all windows
+
+
+class Toy(nn.Module):
+    """x -> b(relu(a(x)) + x): b's input depends on a's weights."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x, scale=1.0):
+        return self.b(torch.relu(self.a(x)) + x) * scale
+
+
+def test_each_group_is_solved_on_the_input_it_is_about_to_get():
+    toy, x = Toy(), torch.randn(2, 3, 4)
+    seen = {}
+
+    def solve(k, inp):
+        name, module = next(iter([{"a": toy.a}, {"b": toy.b}][k].items()))
+        seen[name] = inp.clone()
+        module.weight.data = module.weight.data.round()  # the "compression": whole-number weights
+
+    out = run_solving(toy, (x, (), {"scale": 2.0}), [{"a": toy.a}, {"b": toy.b}], solve)
+    a_w, b_w = toy.a.weight.detach(), toy.b.weight.detach()
+    hidden = torch.relu(x @ a_w.t() + toy.a.bias.detach()) + x  # computed by hand with the rounded a
+    torch.testing.assert_close(seen["a"], x)
+    torch.testing.assert_close(seen["b"], hidden)
+    torch.testing.assert_close(out, (hidden @ b_w.t() + toy.b.bias.detach()) * 2.0)
+    assert torch.equal(a_w, a_w.round()) and torch.equal(b_w, b_w.round())
+
+
+def test_a_layer_fed_another_input_than_its_group_is_refused():
+    toy = Toy()
+    with pytest.raises(CallsDiverged, match="b"):
+        run_solving(toy, (torch.randn(1, 2, 4), (), {}), [{"a": toy.a, "b": toy.b}], lambda k, x: None)
+    with pytest.raises(CallsDiverged, match="never called"):
+        run_solving(toy.a, (torch.randn(1, 2, 4), (), {}), [{"a": toy.a}, {"b": toy.b}], lambda k, x: None)
+
+
+def _gptq():
+    return GPTQ(GPTQ.Config(bits=3, group_size=32))
+
+
+def test_one_pass_writes_what_pass_by_pass_writes(tmp_path):
+    """GPTQ on a 2-block model: one pass over all windows equals a statistics pass per group plus propagation."""
+    model_dir = save_random_model(tiny_llama_config(VOCAB), tmp_path / "in")
+    calibration = torch.randint(0, VOCAB, (5, 24), generator=torch.Generator().manual_seed(1))
+    run_engine(model_dir, tmp_path / "one", _gptq(), calibration, batch_size=2)
+    run_engine(model_dir, tmp_path / "passes", _gptq(), calibration, **PASS_BY_PASS)
+    one, passes = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "passes" / "model.safetensors")
+    assert one.keys() == passes.keys()
+    for name in one:
+        torch.testing.assert_close(one[name], passes[name], rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_one_pass_runs_each_block_once(tmp_path):
+    """Counted by hooks on the model's modules: one window learns the call order, then one pass per block."""
+    model_dir = save_random_model(tiny_llama_config(VOCAB), tmp_path / "in")
+    calibration = torch.randint(0, VOCAB, (5, 20), generator=torch.Generator().manual_seed(4))
+    handle = open_model(model_dir)
+    calls, windows = Counter(), Counter()
+    for name, module in handle.model.named_modules():
+        if name.endswith(("q_proj", "down_proj")):
+            def count(_m, args, short=name.split(".", 2)[2]):
+                calls.update([short])
+                windows.update({short: args[0].shape[0]})
+            module.register_forward_pre_hook(count)
+    names = [handle.block_name(i) for i in range(len(handle.blocks))]
+    (tmp_path / "out").mkdir()
+    from compress.checkpoints.shards import ShardedWriter
+
+    writer = ShardedWriter(tmp_path / "out", 1 << 30)
+    Engine(handle, [Stage(_gptq(), quantizable_layers(handle.model, names))], batch_size=2).run(writer, calibration)
+    writer.close()
+    assert calls == {"0.self_attn.q_proj": 2, "0.mlp.down_proj": 2, "1.self_attn.q_proj": 1, "1.mlp.down_proj": 1}
+    assert windows == {"0.self_attn.q_proj": 1 + 5, "0.mlp.down_proj": 1 + 5, "1.self_attn.q_proj": 5, "1.mlp.down_proj": 5}
+
+
+def test_batch_follows_the_memory_the_pass_needs(tmp_path):
+    model_dir = save_random_model(tiny_llama_config(VOCAB), tmp_path / "in")
+    handle = open_model(model_dir)
+    layers = quantizable_layers(handle.model, [handle.block_name(0)])
+    windows = torch.zeros(6, 16, dtype=torch.long)
+    # tiny Llama: width 64, widest layer 128, 4 heads: per token 4·64 + 3·128 + 2·4·16 floats
+    need = one_pass_bytes(layers, 6, 16, 4, heads=4)
+    assert need == 6 * 16 * 4 * (4 * 64 + 3 * 128 + 2 * 4 * 16)
+    for memory, batch in [(need, 6), (need - 1, 2)]:
+        engine = Engine(handle, [Stage(_gptq(), layers)], batch_size=2, activation_memory=memory)
+        assert engine.capture_batch(windows) == batch
+    awq_like = Stage(GPTQ(GPTQ.Config(bits=4, true_sequential=False)), layers)  # not true-sequential: pass by pass
+    assert Engine(handle, [awq_like], batch_size=2).capture_batch(windows) == 2
+
+
+def test_first_window_cuts_only_the_batch_dimension():
+    cos, sin, h = torch.randn(3, 5, 8), torch.randn(3, 5, 8), torch.randn(3, 5, 16)
+    cut = first_window((h, (), {"position_embeddings": (cos, sin), "cache_position": torch.arange(5), "mask": None}), 3)
+    assert cut[0].shape == (1, 5, 16) and cut[2]["position_embeddings"][0].shape == (1, 5, 8)
+    assert cut[2]["cache_position"].shape == (5,) and cut[2]["mask"] is None
