@@ -16,7 +16,10 @@ own) with ``--threads`` torch threads:
 
 Prints tokens/s and its ratio to ``before``, peak RSS and the peak growth during the evaluation itself
 (VmHWM reset through /proc/self/clear_refs after loading), and the figures, so equal results can be seen.
-The llama.cpp ``llama-perplexity`` comparison on the same GGUF file is not part of this script yet.
+With ``--model FILE.gguf`` a last row runs llama.cpp's ``llama-perplexity`` on the same file and text (``-c CTX``,
+``--chunks`` covering the same tokens, ``-t THREADS``; built by ``bench/llama_cpp_tools.py`` on first use): its
+tokens/s is every token of every window through the model over the time its log stamps between starting the
+windows and its final estimate (it scores the second half of each window), beside ours (every token scored once).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import subprocess
 import sys
 import tempfile
@@ -118,6 +122,26 @@ def child(args) -> None:
     print(json.dumps({**figures, "seconds": seconds, "peak_mib": _rss_mib("VmHWM"), "eval_mib": _rss_mib("VmHWM") - loaded}))
 
 
+def llama_perplexity(gguf: Path, text: Path, ctx: int, threads: int, max_tokens: int | None) -> dict:
+    """llama.cpp's ``llama-perplexity`` on ``gguf``: tokens it ran through the model, seconds (from its log's
+    time stamps, loading excluded) and its final perplexity estimate."""
+    sys.path.insert(0, str(REPO / "bench"))
+    from llama_cpp_tools import tool
+
+    command = [str(tool("llama-perplexity")), "-m", str(gguf), "-f", str(text), "-c", str(ctx), "-b", str(ctx),
+               "-t", str(threads)] + (["--chunks", str(max(1, max_tokens // ctx))] if max_tokens else [])
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    # its log lines start with the time since start, minutes.seconds.milliseconds.microseconds
+    stamp = lambda m: int(m.group(1)) * 60 + int(m.group(2)) + int(m.group(3)) / 1e3  # noqa: E731
+    start = re.search(r"^(\d+)\.(\d+)\.(\d+)\.\d+ I perplexity: calculating perplexity over (\d+) chunks, n_ctx=(\d+)",
+                      done.stdout, re.M)
+    end = re.search(r"^(\d+)\.(\d+)\.(\d+)\.\d+ I Final estimate: PPL = ([\d.]+)", done.stdout, re.M)
+    if done.returncode != 0 or start is None or end is None:
+        raise SystemExit(f"llama-perplexity failed (exit {done.returncode}):\n{done.stdout[-3000:]}")
+    return {"tokens": int(start.group(4)) * int(start.group(5)), "seconds": stamp(end) - stamp(start),
+            "perplexity": float(end.group(4))}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=REPO / "eval/assets/reference-llama")
@@ -161,6 +185,13 @@ def main() -> None:
         fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
         print(f"| {variant} | {tps:.0f} | {ratio} | {r['peak_mib']:.0f} | {r['eval_mib']:.0f} | {fmt('perplexity', '.4f')} "
               f"| {fmt('ref_perplexity', '.4f')} | {fmt('kld', '.6f')} | {fmt('kld_p99', '.5f')} |")
+    if args.model.suffix == ".gguf":
+        llama = llama_perplexity(args.model, args.text, args.ctx, args.threads, args.max_tokens)
+        ours = rows.get("ppl only")
+        ratio = f"{(ours['tokens_scored'] / ours['seconds']) / (llama['tokens'] / llama['seconds']):.2f}" if ours else "n/a"
+        print(f"\nllama-perplexity on the same file: {llama['tokens']} tokens in {llama['seconds']:.2f} s = "
+              f"{llama['tokens'] / llama['seconds']:.0f} tokens/s (its ppl estimate {llama['perplexity']}); "
+              f"ours (ppl only) / llama.cpp = {ratio}")
     if anchor and "after" in rows:
         print(f"\nafter vs before: mean KLD relative difference {rows['after']['kld'] / anchor['kld'] - 1:.2e}, "
               f"perplexity {rows['after']['perplexity'] / anchor['perplexity'] - 1:.2e}")

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
+from typing import Callable
 
 import numpy as np
 import torch
@@ -100,24 +101,30 @@ def encode_tensor(weight: np.ndarray, kind: GGMLType, importance: np.ndarray | N
         row_sigma2 = np.repeat(mean_square(w2), w2.shape[1] // block, axis=0)
         encode_weighted = CODECS[kind].encode_weighted
     out = np.empty((blocks.shape[0], size), dtype=np.uint8)
-    workers = min(-(-blocks.size // POOL_CHUNK_ELEMENTS), _usable_cpus())
-    step = max(1, (POOL_CHUNK_ELEMENTS if workers > 1 else CHUNK_ELEMENTS) // block)
 
-    def work(start: int) -> None:
-        part = slice(start, start + step)
+    def work(part: slice) -> None:
         out[part] = encode_weighted(blocks[part], qw[part], row_sigma2[part]) if weighted else encode(blocks[part])
 
-    starts = range(0, blocks.shape[0], step)
+    in_chunks(blocks.shape[0], block, work)
+    return out.reshape(w2.shape[0], -1)
+
+
+def in_chunks(n: int, block: int, work: Callable[[slice], None]) -> None:
+    """``work(part)`` over ``n`` blocks of ``block`` weights, ``part`` a slice of them: `CHUNK_ELEMENTS` at a time on
+    one worker, `POOL_CHUNK_ELEMENTS` at a time on a thread pool of the CPUs this process may use (at most torch's
+    thread count: processes sharing a machine set that, and a pool of its own would oversubscribe the cores)."""
+    workers = min(-(-n * block // POOL_CHUNK_ELEMENTS), _usable_cpus(), torch.get_num_threads())
+    step = max(1, (POOL_CHUNK_ELEMENTS if workers > 1 else CHUNK_ELEMENTS) // block)
+    parts = [slice(start, start + step) for start in range(0, n, step)]
     # torch's intra-op threads off: the chunks already run on a pool, and torch splitting each small op over
     # its threads too only added fork/join overhead (Q8_0 1.7x slower with 2 torch threads in each of 2 workers)
     with one_thread(torch.device("cpu")):
-        if workers == 1:
-            for start in starts:
-                work(start)
+        if workers <= 1:
+            for part in parts:
+                work(part)
         else:
             with ThreadPoolExecutor(max_workers=workers) as pool:
-                list(pool.map(work, starts))
-    return out.reshape(w2.shape[0], -1)
+                list(pool.map(work, parts))
 
 
 def decode_tensor(data: np.ndarray, kind: GGMLType, cols: int) -> np.ndarray:

@@ -25,10 +25,8 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
-import torch
 
-from compress.formats.gguf.codecs import CHUNK_ELEMENTS, CODECS, plain_importance
-from compress.quantizers.threads import one_thread
+from compress.formats.gguf.codecs import CODECS, in_chunks, plain_importance
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
 
 
@@ -104,11 +102,11 @@ def fit(
             row_sigma2 = np.mean(blocks * blocks, axis=1, keepdims=True, dtype=np.float32)
         importance = np.ascontiguousarray(importance, dtype=np.float32)
     data = np.empty((blocks.shape[0], BLOCK_SIZES[kind][1]), dtype=np.uint8)
-    step = max(1, CHUNK_ELEMENTS // blocks.shape[1])  # the encoders' temporaries stay in cache
-    with one_thread(torch.device("cpu")):
-        for start in range(0, blocks.shape[0], step):
-            part = slice(start, start + step)
-            data[part] = codec.encode_weighted(blocks[part], importance[part], row_sigma2[part]) if weighted else codec.encode(blocks[part])
+
+    def work(part: slice) -> None:
+        data[part] = codec.encode_weighted(blocks[part], importance[part], row_sigma2[part]) if weighted else codec.encode(blocks[part])
+
+    in_chunks(blocks.shape[0], blocks.shape[1], work)
     grid, _ = codec.unpack(data)
     lo, hi = codec.CODES
     zeros = np.zeros(blocks.shape, dtype=np.int8 if lo < 0 else np.uint8)
