@@ -8,7 +8,9 @@ Phases (exclusive time: a phase's time excludes the phases it calls): ``load`` (
 tokenizer and the calibration windows), ``capture`` (block 0's inputs), ``order`` (one batch through each
 block to learn the order its layers run in), ``statistics`` (the passes that collect each group's input
 statistics; their count per block is printed: true-sequential runs one per group of layers fed by the same
-input, each stopping once its group has run), ``solve`` (the method's own work on the statistics),
+input, each stopping once its group has run), ``one pass`` (in their place where the calibration windows fit one
+batch: true-sequential methods' statistics, solves and propagation in one forward pass per block,
+`compress.engine.one_pass`; its solves are counted under ``solve``), ``solve`` (the method's own work on the statistics),
 ``replay`` (block runs a method asks for, e.g. AWQ's scale search), ``propagation`` (the compressed block's
 outputs, the next block's inputs), ``write`` (packing and writing each block), ``evaluation`` (not part of the
 compression: the KLD of the output vs the model, the same protocol for both tools). Peak RSS; on CUDA, peak
