@@ -11,7 +11,9 @@
 3. Copy (or, for methods needing no statistics, transform) the tensors outside the blocks.
 
 True-sequential layer-by-layer methods (GPTQ, SparseGPT) collect statistics, solve and propagate in one forward
-pass where the calibration windows fit in one batch (`compress.engine.one_pass`). Only one block's weights are in compute memory at a time. The engine never tests a method's name.
+pass where the calibration windows fit in one batch (`compress.engine.one_pass`).
+
+Only one block's weights are in compute memory at a time. The engine never tests a method's name.
 With several processes (`compress.engine.ranks`), each runs its share of the calibration windows,
 statistics are combined over all of them, layer-by-layer methods solve each layer on one rank and
 broadcast it, and only the main rank's writer keeps what it is given.
@@ -43,7 +45,9 @@ from compress.engine.passes import (
     CallOrder, CallsDiverged, InputCatcher, StopForward, call_order, propagate, run_block, run_until_called, split_hidden,
 )
 from compress.checkpoints.model_io import ModelHandle, get_weight
-from compress.engine.one_pass import first_window, memory_for_one_pass, one_pass_batch, one_pass_capable, solve_while_propagating
+from compress.engine.one_pass import (
+    first_window, memory_for_one_pass, one_pass_batch, one_pass_capable, solve_while_propagating,
+)
 from compress.engine.reference import ReferenceStream
 from compress.engine.stages import BlockObserver, EngineResult, Stage  # noqa: F401 - imported from here too
 from compress.engine.statistics import Stat, StatsCollector, collect_statistics
@@ -295,7 +299,7 @@ class Engine:
         if not order.once:
             return None
         needs_of = functools.partial(self._group_needs, stage)
-        solve_group = lambda group, collector: self._solve_group(stage, block, block_name, group, collector, {}, inputs)  # noqa: E731
+        solve_group = functools.partial(self._solve_group, stage, block, block_name, routing={}, inputs=inputs)
         try:
             reports, hidden = solve_while_propagating(block, inputs[0], order, needs_of, solve_group)
         except CallsDiverged as exc:
@@ -378,7 +382,8 @@ class Engine:
                 result.layers += self._compress_block(i, inputs)
             if self.reference is not None and (i + 1 < len(blocks) or self.keep_final_hidden):
                 self.reference.advance()
-            if solved is None and self.needs_data and (i + 1 < len(blocks) or self.keep_final_hidden or self.observer is not None):
+            wanted = i + 1 < len(blocks) or self.keep_final_hidden or self.observer is not None
+            if solved is None and self.needs_data and wanted:  # the next block's inputs
                 with self.observer.watch(name, block) if self.observer is not None else nullcontext():
                     inputs = self._propagate(block, inputs)
                 if self.observer is not None:
