@@ -15,6 +15,7 @@ reads as a negative int32. Both functions are pure.
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -41,11 +42,24 @@ def _positions(bits: int, device) -> tuple[torch.Tensor, torch.Tensor]:
 def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     """Pack integer codes in ``[0, 2**bits)`` along ``dim`` into int32 words (see module docstring)."""
     _check_bits(bits)
-    x = codes.movedim(dim, -1).to(torch.int64)
-    if x.numel() and (int(x.min()) < 0 or int(x.max()) >= 1 << bits):
-        raise ValueError(f"codes must lie in [0, {(1 << bits) - 1}] to pack into {bits} bits")
+    x = codes.movedim(dim, -1)
+    if x.numel():
+        low, high = torch.aminmax(x)
+        if int(low) < 0 or int(high) >= 1 << bits:
+            raise ValueError(f"codes must lie in [0, {(1 << bits) - 1}] to pack into {bits} bits")
     n = x.shape[-1]
     lead = x.shape[:-1]
+    if 8 % bits == 0 and sys.byteorder == "little":
+        # whole codes per byte (2, 4, 8 bits): the stream's bytes built as uint8, then read as the int32 words
+        # they are on a little-endian host (several times faster than assembling 64-bit words)
+        per = 8 // bits
+        x = torch.nn.functional.pad(x.to(torch.uint8), (0, packed_length(n, bits) * (_WORD // bits) - n))
+        x = x.reshape(*lead, -1, per)
+        stream = x[..., 0].clone()
+        for k in range(1, per):
+            stream |= x[..., k] << (k * bits)
+        return stream.contiguous().view(torch.int32).movedim(-1, dim)
+    x = x.to(torch.int64)
     chunks = math.ceil(n / _WORD)
     x = torch.nn.functional.pad(x, (0, chunks * _WORD - n)).reshape(*lead, chunks, _WORD)
     word, shift = _positions(bits, x.device)
