@@ -39,7 +39,10 @@ def memory_for_one_pass(device: torch.device) -> int:
     """What a one-pass forward may take: a quarter of the machine's memory (CPU), half the device's free memory."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0] // 2
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 4
+    except (AttributeError, ValueError, OSError):  # no sysconf (Windows): pass by pass
+        return 0
 
 
 def one_pass_capable(methods: list) -> bool:
