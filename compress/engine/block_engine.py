@@ -151,7 +151,22 @@ class Engine:
         return self.outcomes.packed
 
     def check(self, calibration: torch.Tensor | None) -> None:
-        """Validate every stage against every selected layer before any work starts."""
+        """Validate every stage against every selected layer (`check_stages`) and the calibration windows
+        before any work starts."""
+        self.check_stages()
+        if self.needs_data and calibration is None:
+            names = [s.method.name for s in self.stages if any(m.needs for m in s.methods())]
+            who = f"method {', '.join(names)}" if names else self.observer.name
+            raise CompressError(f"{who} needs calibration data: pass --calib PATH")
+        if self.needs_data and calibration.shape[0] < self.ranks.world:
+            raise CompressError(
+                f"{calibration.shape[0]} calibration windows cannot be shared by {self.ranks.world} processes: "
+                f"use at least {self.ranks.world} samples or fewer processes"
+            )
+
+    def check_stages(self) -> None:
+        """Validate every stage against every selected layer (what needs no calibration data: callers run it
+        before tokenizing a calibration set)."""
         for stage in self.stages:
             if not stage.layers:
                 raise CompressError(f"method {stage.method.name} selects no layers: check the include/exclude patterns")
@@ -179,15 +194,6 @@ class Engine:
         if self.needs_reference and not self.all_experts and routing_modules(self.handle.model):
             raise CompressError("asymmetric calibration compares each expert's inputs token by token: "
                                 "calibrate every expert on every token (drop all_experts: false), or drop asymmetric")
-        if self.needs_data and calibration is None:
-            names = [s.method.name for s in self.stages if any(m.needs for m in s.methods())]
-            who = f"method {', '.join(names)}" if names else self.observer.name
-            raise CompressError(f"{who} needs calibration data: pass --calib PATH")
-        if self.needs_data and calibration.shape[0] < self.ranks.world:
-            raise CompressError(
-                f"{calibration.shape[0]} calibration windows cannot be shared by {self.ranks.world} processes: "
-                f"use at least {self.ranks.world} samples or fewer processes"
-            )
 
     # -- 1. inputs of block 0 -------------------------------------------------------------------
     def new_activations(self) -> Activations:

@@ -180,6 +180,7 @@ def export_calibrated(
     engine = Engine(handle, stages, device, batch_size=calibration.batch_size, progress=progress, keep_final_hidden=head is not None,
                     ranks=ranks, activation_memory=calibration.activation_memory, scratch=scratch_beside(config.output),
                     outer_weights=_rounded_embeddings(handle, stored) if asymmetric and embed is None else None)
+    engine.check_stages()  # before the calibration set is tokenized
     windows = load_calibration(
         calibration.path, load_tokenizer(config.model), calibration.samples, calibration.seq_len, calibration.seed
     )

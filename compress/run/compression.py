@@ -205,6 +205,7 @@ def run_stages(
         observer=observer, all_experts=cal.all_experts if cal else True, ranks=ranks,
         activation_memory=cal.activation_memory if cal else None, scratch=scratch_beside(recipe.output.path),
     )
+    engine.check_stages()  # a layer the method cannot take fails before the calibration set is tokenized
     calibration = None
     if cal is not None:  # loaded even when unused, so a bad calibration set fails early and clearly
         calibration = load_calibration(cal.path, load_tokenizer(recipe.model), cal.samples, cal.seq_len, cal.seed)

@@ -34,3 +34,19 @@ def test_auto_group_size_without_a_divisor_is_a_one_line_error(tmp_path, tiny_to
     assert done.exit_code == 2
     assert "none of 128, 64, 32 divides every selected layer's in_features (72, 128)" in done.output
     assert not (tmp_path / "o").exists()
+
+
+def test_a_layer_the_method_cannot_take_fails_before_the_calibration_is_tokenized(tmp_path, tiny_tokenizer, monkeypatch):
+    """The group-size error comes from the layers alone: no calibration set is read for it (a large corpus takes
+    seconds to tokenize)."""
+    from compress.run import compression
+
+    model = save_random_model(tiny_llama_config(len(tiny_tokenizer)), tmp_path / "m", tiny_tokenizer)
+    text = tmp_path / "calib.txt"
+    text.write_text("the quick brown fox " * 200)
+    read, load = [], compression.load_calibration
+    monkeypatch.setattr(compression, "load_calibration", lambda *a, **k: read.append(a) or load(*a, **k))
+    done = CliRunner().invoke(app, ["quantize", str(model), "-o", str(tmp_path / "o"), "--method", "gptq",
+                                    "--group-size", "48", "--calib", str(text), "--samples", "2", "--seq-len", "16"])
+    assert done.exit_code == 2 and "group size 48 does not divide in_features 64" in done.output
+    assert read == [] and not (tmp_path / "o").exists()
