@@ -151,9 +151,12 @@ class Engine:
         return self.outcomes.packed
 
     def check(self, calibration: torch.Tensor | None) -> None:
-        """Validate every stage against every selected layer (`check_stages`) and the calibration windows
-        before any work starts."""
+        """Validate every stage against every selected layer and the calibration windows before any work starts."""
         self.check_stages()
+        self.check_calibration(calibration)
+
+    def check_calibration(self, calibration: torch.Tensor | None) -> None:
+        """The calibration windows are there when a method or the observer needs them, and enough for the ranks."""
         if self.needs_data and calibration is None:
             names = [s.method.name for s in self.stages if any(m.needs for m in s.methods())]
             who = f"method {', '.join(names)}" if names else self.observer.name

@@ -184,7 +184,7 @@ def export_calibrated(
     windows = load_calibration(
         calibration.path, load_tokenizer(config.model), calibration.samples, calibration.seq_len, calibration.seed
     )
-    engine.check(windows)
+    engine.check_calibration(windows)
 
     def run_engine(writer):
         with ranks:

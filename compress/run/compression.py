@@ -211,7 +211,7 @@ def run_stages(
         calibration = load_calibration(cal.path, load_tokenizer(recipe.model), cal.samples, cal.seq_len, cal.seed)
         if not engine.needs_data:
             log.warning("no method in this recipe uses calibration data; it was checked but is unused")
-    engine.check(calibration)
+    engine.check_calibration(calibration)
     inputs = _inputs(recipe)
     # a plan file's layers, not only its path; the processes, each of which recorded its share of the inputs
     settings = {**_settings(recipe), "plans": [plan.to_dict() for _, plan in plans], "processes": ranks.world}
