@@ -8,7 +8,8 @@ form, lazy batches) is timed beside the textbook reference from ``tests/referenc
 inverse Hessian eliminated after every column, no blocks) run in float32 on the same device.
 ``rel_error`` = tr((W−Q) H (W−Q)ᵀ) / tr(W H Wᵀ); RTN is shown for scale. ``--gguf TYPE...`` adds GPTQ
 solved in those GGUF block types (`compress.quantizers.gguf_gptq`, CPU: its grid fits are numpy) beside
-ggml's own rounding of the same weight.
+ggml's own rounding of the same weight; each is timed alone and with that comparison figure (``compare_rtn``, one more
+encode of the layer, which the export's summary reports by default).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -88,10 +90,13 @@ def main() -> None:
         print(f"{shape:<12}{'rtn':<22}{'':>10}{rel_error(w, base.weight, h):>12.5f}")
         print(f"{shape:<12}{'gptq':<22}{t_fast:>10.3f}{res.stats['rel_error']:>12.5f}", flush=True)
         for name in args.gguf:
-            config_g = GGUFGPTQConfig(BASE[Target(name)], block_size=args.block_size)
-            res_g, t_g = timed(lambda: gguf_gptq(w.cpu(), h.cpu(), config_g), "cpu")
-            print(f"{shape:<12}{name + ' ggml rounding':<22}{'':>10}{res_g.stats['rtn_rel_error']:>12.5f}")
-            print(f"{shape:<12}{name + ' gptq':<22}{t_g:>10.3f}{res_g.stats['rel_error']:>12.5f}", flush=True)
+            config_g = GGUFGPTQConfig(BASE[Target(name)], block_size=args.block_size, compare_rtn=False)
+            alone, t_g = timed(lambda: gguf_gptq(w.cpu(), h.cpu(), config_g), "cpu")
+            compared, t_c = timed(lambda: gguf_gptq(w.cpu(), h.cpu(), replace(config_g, compare_rtn=True)), "cpu")
+            print(f"{shape:<12}{name + ' ggml rounding':<22}{'':>10}{compared.stats['rtn_rel_error']:>12.5f}")
+            print(f"{shape:<12}{name + ' gptq':<22}{t_g:>10.3f}{alone.stats['rel_error']:>12.5f}  {t_g / t_fast:.2f}x gptq")
+            print(f"{shape:<12}{name + ' gptq, compared':<22}{t_c:>10.3f}{'':>12}  {t_c / t_fast:.2f}x gptq (the export's default:"
+                  " ggml's rounding measured too)", flush=True)
         if args.skip_slow:
             continue
         ref, t_slow = timed(

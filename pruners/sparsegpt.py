@@ -38,8 +38,8 @@ import torch
 
 from compress.pruners.masks import NM, Pattern, prune_lowest_nm, prune_lowest_per_row
 from compress.pruners.result import PruneResult
-from compress.quantizers.grid import QuantScheme, compute_qparams, dequantize, quantize
-from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, solver_figures, solver_inputs
+from compress.quantizers.grid import QuantScheme, compute_qparams
+from compress.quantizers.gptq import check_solver_settings, feed_error_, inverse_hessian_factor, solver_figures, solver_inputs
 from compress.quantizers.result import QuantResult
 from compress.quantizers.threads import one_thread
 
@@ -85,51 +85,58 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
 
     if scheme is not None:
         n_groups, width = scheme.groups(in_features), scheme.group_width(in_features)
-        scale, zero = W.new_empty(out_features, n_groups), W.new_empty(out_features, n_groups)
-        codes = torch.zeros(out_features, in_features, dtype=torch.int32, device=W.device)
+        scale_t, zero_t = W.new_empty(n_groups, out_features), W.new_empty(n_groups, out_features)  # a group's row contiguous
+        scale_rows, zero_rows = scale_t.unbind(0), zero_t.unbind(0)
         column = QuantScheme(scheme.bits, scheme.symmetric, -1)
 
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H  # damped in place and no longer needed
 
-    Q = torch.zeros_like(W)
-    pruned = torch.zeros_like(W, dtype=torch.bool)
+    # Transposed, as GPTQ's loop (quantizers/gptq.py): a column of W is a contiguous row of Wt [in, out].
+    Wt = W.t().contiguous()
+    del W
+    Qt = torch.empty_like(Wt)
+    rounded = torch.empty_like(Wt) if scheme is not None else None  # joint mode: the grid's column codes
+    pruned_t = torch.empty_like(Wt, dtype=torch.bool)
     for i1 in range(0, in_features, config.block_size):
         i2 = min(i1 + config.block_size, in_features)
-        W1 = W[:, i1:i2].clone()
-        Err1 = torch.zeros_like(W1)
+        W1 = Wt[i1:i2].clone()  # [B, out]
+        Err1, scratch = torch.empty_like(W1), torch.empty_like(W1)
         U1 = U[i1:i2, i1:i2]
-        d2 = torch.diagonal(U1).square().unsqueeze(0)  # [1, B]: [H_F⁻¹]_ii when column i is reached
-        if isinstance(pattern, NM):
-            mask1 = torch.zeros_like(W1, dtype=torch.bool)
-        else:
-            saliency = W1.square() / d2
-            mask1 = prune_lowest_per_row(saliency.reshape(1, -1), pattern.sparsity).reshape(W1.shape)
-        with one_thread(W.device):  # small per-column operations: see quantizers/threads.py
-            for i in range(i2 - i1):
+        d2 = torch.diagonal(U1).square().unsqueeze(1)  # [B, 1]: [H_F⁻¹]_ii when column i is reached
+        mask1 = pruned_t[i1:i2]
+        if not isinstance(pattern, NM):  # chosen over the [out, B] block in its own order (ties fall as before)
+            saliency = (W1.square() / d2).t()
+            mask1.copy_(prune_lowest_per_row(saliency.reshape(1, -1), pattern.sparsity).reshape(saliency.shape).t())
+        pivots = U1.diagonal().tolist()
+        codes_rows = rounded[i1:i2].unbind(0) if scheme is not None else [None] * (i2 - i1)
+        rows = zip(W1.unbind(0), Err1.unbind(0), Qt[i1:i2].unbind(0), mask1.unbind(0), U1.unbind(0), codes_rows)
+        with one_thread(Wt.device):  # small per-column operations: see quantizers/threads.py
+            for i, (w, err, q, masked, u, codes) in enumerate(rows):
                 j = i1 + i
                 if isinstance(pattern, NM) and j % pattern.m == 0:
                     cols = slice(i, i + pattern.m)
-                    mask1[:, cols] = prune_lowest_nm(W1[:, cols].square() / d2[:, cols], pattern.n, pattern.m)
-                w = W1[:, i : i + 1]
-                q = torch.where(mask1[:, i : i + 1], torch.zeros_like(w), w)
-                if scheme is not None:
+                    mask1[cols] = prune_lowest_nm((W1[cols].square() / d2[cols]).t(), pattern.n, pattern.m).t()
+                if scheme is None:
+                    q.copy_(w).masked_fill_(masked, 0.0)
+                else:
                     g = j // width
                     if j % width == 0:  # the group's grid from its columns as they are now (as GPTQ)
-                        cols_now = W1[:, i : i + width]
+                        cols_now = W1[i : i + width]
                         if j + width > i2:
-                            pending = W[:, i2 : j + width] - Err1 @ U[i1:i2, i2 : j + width]
-                            cols_now = torch.cat([cols_now, pending], dim=1)
-                        scale[:, g : g + 1], zero[:, g : g + 1] = compute_qparams(cols_now, scheme)
-                    s, z = scale[:, g : g + 1], zero[:, g : g + 1]
-                    codes[:, j : j + 1] = quantize(q, s, z, column)  # a pruned zero maps to the zero point
-                    q = dequantize(codes[:, j : j + 1], s, z, column)
-                Q[:, j : j + 1] = q
-                err = (w - q) / U1[i, i]
-                W1[:, i + 1 :] -= err @ U1[i : i + 1, i + 1 :]
-                Err1[:, i : i + 1] = err
-        pruned[:, i1:i2] = mask1
-        W[:, i2:] -= Err1 @ U[i1:i2, i2:]  # lazy batch update of all later columns
+                            pending = Wt[i2 : j + width] - U[i1:j, i2 : j + width].t() @ Err1[:i]
+                            cols_now = torch.cat([cols_now, pending])
+                        s, z = compute_qparams(cols_now.t(), scheme)
+                        scale_rows[g].copy_(s[:, 0])
+                        zero_rows[g].copy_(z[:, 0])
+                    # a pruned weight is rounded as zero: it maps to the zero point, whose value is exactly 0
+                    column.round_column(torch.where(masked, 0.0, w), scale_rows[g], zero_rows[g], codes, q)
+                torch.sub(w, q, out=err).div_(pivots[i])
+                feed_error_(W1[i + 1 :], u[i + 1 :], err, scratch)
+        Wt[i2:] -= U[i1:i2, i2:].t() @ Err1  # lazy batch update of all later columns
+    Q, pruned = Qt.t().contiguous(), pruned_t.t().contiguous()
+    if scheme is not None:
+        codes, scale, zero = column.stored_codes(rounded).t().contiguous(), scale_t.t().contiguous(), zero_t.t().contiguous()
 
     stats = {
         "sparsity": int((Q == 0).sum()) / Q.numel(),  # exact: the slices of a layer's rows combine by their counts

@@ -163,6 +163,17 @@ class FloatScheme:
     def dequantize(self, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         return dequantize(codes, scale, zero, self)
 
+    def round_column(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, codes: torch.Tensor, deq: torch.Tensor) -> None:
+        """GPTQ's column step (the integer grid's interface): the bit patterns of ``w`` into ``codes`` and their
+        values into ``deq``; all five are float32 ``[out]``."""
+        bits = self.quantize(w.view(-1, 1), scale.view(-1, 1), zero.view(-1, 1))
+        codes.copy_(bits.view(-1))
+        deq.copy_(self.dequantize(bits, scale.view(-1, 1), zero.view(-1, 1)).view(-1))
+
+    def stored_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """The int32 bit patterns of what `round_column` wrote."""
+        return codes.to(torch.int32)
+
     def rounding_error(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         """``w − dequantize(quantize(w))`` (float32): the clipping search's inner loop."""
         return w.float() - self.dequantize(self.quantize(w, scale, zero), scale, zero)

@@ -140,39 +140,41 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
     # contiguous where a column of ``W`` is strided (each per-column operation ~1.5x faster); the values are the same.
     Wt = W.t().contiguous()
     del W
-    Qt = torch.zeros_like(Wt)
-    codes_t = torch.zeros(in_features, out_features, dtype=torch.int32, device=Wt.device)
+    Qt = torch.empty_like(Wt)
+    rounded = torch.empty_like(Wt)  # each column's codes as the grid's `round_column` writes them (float32)
     if config.act_order:
         scale_t, zero_t = scale.t().contiguous(), zero.t().contiguous()  # [n_groups, out]: a group's row contiguous
     else:
         scale_t, zero_t = Wt.new_empty(n_groups, out_features), Wt.new_empty(n_groups, out_features)
+    # Row views made once: the loop below runs ~10 tensor operations per column and the Python around each one
+    # (indexing, views) cost as much as the arithmetic on layers of a few thousand rows.
+    scale_rows, zero_rows = scale_t.unbind(0), zero_t.unbind(0)
     column = scheme.per_column()  # one column with its own grid
     for i1 in range(0, in_features, config.block_size):
         i2 = min(i1 + config.block_size, in_features)
         W1 = Wt[i1:i2].clone()  # [B, out]: the block's columns
-        Err1 = torch.zeros_like(W1)
+        Err1, scratch = torch.empty_like(W1), torch.empty_like(W1)
         U1 = U[i1:i2, i1:i2]
+        pivots = U1.diagonal().tolist()
+        rows = zip(W1.unbind(0), Err1.unbind(0), rounded[i1:i2].unbind(0), Qt[i1:i2].unbind(0), U1.unbind(0))
         with one_thread(Wt.device):  # small per-column operations: see quantizers/threads.py
-            for i in range(i2 - i1):
+            for i, (w, err, codes, deq, u) in enumerate(rows):
                 j, g = i1 + i, group_of[i1 + i]
                 if not config.act_order and j % width == 0:
                     # The group's grid from its columns as they are now: in-block columns from W1,
                     # later ones from W with this block's pending updates applied.
                     cols = W1[i : i + width]
                     if j + width > i2:
-                        pending = Wt[i2 : j + width] - U[i1:i2, i2 : j + width].t() @ Err1
+                        pending = Wt[i2 : j + width] - U[i1:j, i2 : j + width].t() @ Err1[:i]
                         cols = torch.cat([cols, pending])
                     s, z = qparams(cols.t())
-                    scale_t[g], zero_t[g] = s[:, 0], z[:, 0]
-                s, z = scale_t[g].view(-1, 1), zero_t[g].view(-1, 1)
-                w = W1[i].view(-1, 1)  # column j as [out, 1], contiguous
-                q = column.quantize(w, s, z)
-                deq = column.dequantize(q, s, z)
-                codes_t[j], Qt[j] = q.view(-1), deq.view(-1)
-                err = (w - deq) / U1[i, i]
-                W1[i + 1 :] -= U1[i, i + 1 :].unsqueeze(1) @ err.view(1, -1)
-                Err1[i] = err.view(-1)
+                    scale_rows[g].copy_(s[:, 0])
+                    zero_rows[g].copy_(z[:, 0])
+                column.round_column(w, scale_rows[g], zero_rows[g], codes, deq)
+                torch.sub(w, deq, out=err).div_(pivots[i])
+                feed_error_(W1[i + 1 :], u[i + 1 :], err, scratch)
         Wt[i2:] -= U[i1:i2, i2:].t() @ Err1  # lazy batch update of all later columns
+    codes_t = column.stored_codes(rounded)
     Q, codes = Qt.t(), codes_t.t()
     scale, zero = scale_t.t().contiguous(), zero_t.t().contiguous()
 
@@ -191,6 +193,15 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         **solver_figures(weight, Q, hessian),
     }
     return QuantResult(Q, codes, scale, zero, scheme, g_idx=g_idx, stats=stats)
+
+
+def feed_error_(later: torch.Tensor, u: torch.Tensor, err: torch.Tensor, scratch: torch.Tensor) -> None:
+    """``later −= u ⊗ err`` (``later [k, rows]``, ``u [k]``, ``err [rows]``; ``scratch`` at least ``[k, rows]``): the
+    column loop's error feedback, each product rounded once, then subtracted. So every weight's update is the same
+    whatever the number of rows: a layer solved in row slices (on several processes) is bit for bit the layer
+    solved whole. (BLAS's rank-1 update, ``addr_``, fuses multiply and add for some row counts and not others.)"""
+    products = torch.mul(u.unsqueeze(1), err, out=scratch[: u.shape[0]])
+    later.sub_(products)
 
 
 def proxy_loss(delta: torch.Tensor, H: torch.Tensor) -> float:

@@ -83,6 +83,22 @@ class QuantScheme:
     def dequantize(self, q: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         return dequantize(q, scale, zero, self)
 
+    def round_column(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, codes: torch.Tensor, deq: torch.Tensor) -> None:
+        """GPTQ's column step in few operations: the codes of ``w`` (as `stored_codes` reads them back) into
+        ``codes`` and their dequantized values into ``deq``; all five are float32 ``[out]``. The values are
+        `quantize`'s and `dequantize`'s: symmetric codes are kept signed, ``q − z`` with ``z = 2**(bits−1)``."""
+        torch.div(w, scale, out=codes).round_()
+        if self.symmetric:
+            half = 1 << (self.bits - 1)
+            torch.mul(codes.clamp_(-half, self.max_code - half), scale, out=deq)
+        else:
+            codes.add_(zero).clamp_(0, self.max_code)
+            torch.sub(codes, zero, out=deq).mul_(scale)
+
+    def stored_codes(self, codes: torch.Tensor) -> torch.Tensor:
+        """The int32 codes of what `round_column` wrote."""
+        return (codes + (1 << (self.bits - 1)) if self.symmetric else codes).to(torch.int32)
+
     def rounding_error(self, w: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> torch.Tensor:
         """``w − dequantize(quantize(w))`` (float32, ``w``'s shape) in few passes: the clipping search's inner
         loop. The zero point is an integer, so ``clamp(round(w/s) + z, 0, M) − z == clamp(round(w/s), −z, M − z)``,

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import struct
 from pathlib import Path
 
@@ -213,16 +212,36 @@ def _tensor_bytes(t: torch.Tensor) -> memoryview:
     return t.contiguous().reshape(-1).view(torch.uint8).numpy().data
 
 
-def _header_bytes(entries: list[tuple[str, torch.dtype, list[int], int]], metadata: dict[str, str] | None) -> bytes:
-    """safetensors header for (name, dtype, shape, nbytes) entries laid out back to back."""
+def _header_bytes(entries: list[tuple[str, torch.dtype, list[int], int]], metadata: dict[str, str] | None, room: int | None = None) -> bytes:
+    """safetensors header for (name, dtype, shape, nbytes) entries laid out back to back: its length, then the JSON
+    padded with spaces to a multiple of 8 bytes, or to fill exactly ``room`` bytes (length field included)."""
     header: dict[str, object] = {"__metadata__": metadata} if metadata else {}
     offset = 0
     for name, dtype, shape, size in entries:
         header[name] = {"dtype": _DTYPE_NAMES[dtype], "shape": shape, "data_offsets": [offset, offset + size]}
         offset += size
     encoded = json.dumps(header, separators=(",", ":")).encode()
-    encoded += b" " * (-len(encoded) % 8)
+    padding = -len(encoded) % 8 if room is None else room - 8 - len(encoded)
+    if padding < 0:
+        raise ValueError(f"a safetensors header of {len(encoded) + 8} bytes does not fit its room of {room}")
+    encoded += b" " * padding
     return struct.pack("<Q", len(encoded)) + encoded
+
+
+def header_room(max_shard_bytes: int) -> int:
+    """Bytes a `ShardedWriter` reserves for each shard's header: 1/1024 of the shard size (256 KB for 256 MB shards,
+    ~2,000 tensors' entries), at least 4 KB; a multiple of 8, so the data start aligned."""
+    return min(256 << 10, max(4096, max_shard_bytes // 1024 // 8 * 8))
+
+
+_HEADER_OVERHEAD = 64  # the length field, braces and the {"__metadata__":{"format":"pt"}} entry: 8 + 2 + 32, rounded up
+
+
+def _entry_bound(entry: tuple[str, torch.dtype, list[int], int], end: int) -> int:
+    """At most the bytes ``entry``'s part of a header takes (its name, dtype, shape and offsets ending at ``end``,
+    the comma before it), so that a shard's header is known to fit before the tensor is written."""
+    name, dtype, shape, _ = entry
+    return len(json.dumps(name)) + len(json.dumps(shape, separators=(",", ":"))) + 2 * len(str(end)) + 60
 
 
 def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str] | None = None) -> None:
@@ -253,86 +272,100 @@ class DiscardingWriter:
 class ShardedWriter:
     """Writes tensors to ``model-XXXXX-of-YYYYY.safetensors`` shards plus an index, streaming.
 
-    A tensor's bytes go to the current shard's data file as soon as it is added, so the writer holds
-    no tensors in memory; when the shard is full, its header is written and the data appended.
+    A tensor's bytes go to the current shard file as soon as it is added, so the writer holds no tensors in
+    memory. Each shard is written once: its data start after room reserved for the header (`header_room`),
+    which is written into that room when the shard is finished, padded with spaces as the safetensors format
+    allows; a shard is finished early when its header would outgrow the room. (Streaming the data to a file
+    of their own and copying them behind the header wrote every byte of the output twice.)
     """
 
     def __init__(self, directory: Path, max_shard_bytes: int = 256 << 20):
         self.directory = directory
         self.max_shard_bytes = max_shard_bytes
+        self.header_room = header_room(max_shard_bytes)
         self._entries: list[tuple[str, torch.dtype, list[int], int]] = []
-        self._data = None  # open data file of the current shard
+        self._header_bound = 0  # an upper bound of the current shard's header bytes (`_entry_bound` summed)
+        self._data = None  # the current shard's open file, positioned at the end of its data
         self._shards: list[tuple[Path, list[str]]] = []
         self.total_bytes = 0
 
-    def _data_path(self) -> Path:
-        return self.directory / f"shard-{len(self._shards):05d}.data"
+    def _shard_path(self) -> Path:
+        return self.directory / f"shard-{len(self._shards):05d}.tmp"
+
+    def _data_bytes(self) -> int:
+        return self._data.tell() - self.header_room if self._data is not None else 0
 
     def add(self, name: str, tensor: torch.Tensor) -> None:
         t = tensor.detach().to("cpu")
-        if self._data is None:
-            self._data = self._data_path().open("wb")
         size = t.numel() * t.element_size()
+        entry = (name, t.dtype, list(t.shape), size)
+        if _HEADER_OVERHEAD + _entry_bound(entry, size) > self.header_room:
+            raise ValueError(f"tensor {name[:40]}... has too long a name or shape for a header of {self.header_room} bytes")
+        bound = _entry_bound(entry, self._data_bytes() + size)
+        if self._entries and _HEADER_OVERHEAD + self._header_bound + bound > self.header_room:
+            self.flush()  # its header fills the room: the tensor starts the next shard
+            bound = _entry_bound(entry, size)
+        if self._data is None:
+            self._data = self._shard_path().open("wb")
+            self._data.seek(self.header_room)
         if size:
             self._data.write(_tensor_bytes(t))
-        self._entries.append((name, t.dtype, list(t.shape), size))
-        if self._data.tell() >= self.max_shard_bytes:
+        self._entries.append(entry)
+        self._header_bound += bound
+        if self._data_bytes() >= self.max_shard_bytes:
             self.flush()
 
     def state(self) -> dict:
         """What a resumed run needs to continue exactly here (JSON): the finished shards, the entries of the
-        current one and the bytes of its data file, which are pushed to the kernel first (a killed process
-        loses nothing the kernel holds)."""
+        current one and its data bytes, which are pushed to the kernel first (a killed process loses nothing the
+        kernel holds)."""
         if self._data is not None:
             self._data.flush()
-            os.fsync(self._data.fileno())
         return {
             "shards": [[path.name, names] for path, names in self._shards],
             "entries": [[name, _DTYPE_NAMES[dtype], shape, size] for name, dtype, shape, size in self._entries],
-            "data_bytes": self._data.tell() if self._data is not None else 0,
+            "data_bytes": self._data_bytes(),
             "total_bytes": self.total_bytes,
         }
 
     def restore(self, state: dict) -> None:
-        """Continue where `state` was taken, in the folder of a killed run: later shards are dropped, the
-        current shard's data file is cut back to its recorded length (rebuilt from its finished shard file if
-        the run was killed while finishing it)."""
+        """Continue where `state` was taken, in the folder of a killed run: later shards are dropped and the
+        current shard is cut back to its recorded data (a header written into its room since is rewritten when
+        the shard is finished again)."""
         self._shards = [(self.directory / name, list(names)) for name, names in state["shards"]]
         self._entries = [(name, SAFETENSORS_DTYPES[dtype], list(shape), size) for name, dtype, shape, size in state["entries"]]
         self.total_bytes = state["total_bytes"]
         missing = [path.name for path, _ in self._shards if not path.is_file()]
         if missing:
             raise CompressError(f"{self.directory} lacks {missing[0]}, which its progress record lists: it cannot be resumed; remove it")
-        data, finished = self._data_path(), self.directory / f"shard-{len(self._shards):05d}.tmp"
-        if self._entries and not data.is_file() and finished.is_file():  # killed between writing the shard and removing its data
-            start, _ = _read_safetensors_header(finished)
-            with finished.open("rb") as src, data.open("wb") as out:
-                src.seek(start)
-                shutil.copyfileobj(src, out, 16 << 20)
+        current = self._shard_path()
         for path in self.directory.glob("shard-*"):
             index = int(path.name[6:11]) if path.name[6:11].isdigit() else -1
-            if index > len(self._shards) or (index == len(self._shards) and path != data) or (path == data and not self._entries):
+            if index > len(self._shards) or (index == len(self._shards) and (path != current or not self._entries)):
                 path.unlink()
+        self._header_bound, offset = 0, 0
+        for entry in self._entries:
+            offset += entry[3]
+            self._header_bound += _entry_bound(entry, offset)
         if self._entries:
-            if not data.is_file() or data.stat().st_size < state["data_bytes"]:
-                raise CompressError(f"{data} is shorter than its progress record says: {self.directory} cannot be resumed; remove it")
-            self._data = data.open("r+b")
-            self._data.truncate(state["data_bytes"])
-            self._data.seek(state["data_bytes"])
+            end = self.header_room + state["data_bytes"]
+            if not current.is_file() or current.stat().st_size < end:
+                raise CompressError(f"{current} is shorter than its progress record says: {self.directory} cannot be resumed; remove it")
+            self._data = current.open("r+b")
+            self._data.truncate(end)
+            self._data.seek(end)
 
     def flush(self) -> None:
-        """Finish the current shard: header, then its data copied in chunks."""
+        """Finish the current shard: its header, padded to the room before the data."""
         if self._data is None:
             return
+        header = _header_bytes(self._entries, {"format": "pt"}, room=self.header_room)
+        self._data.seek(0)
+        self._data.write(header)
         self._data.close()
-        data, path = self._data_path(), self.directory / f"shard-{len(self._shards):05d}.tmp"
-        with path.open("wb") as out, data.open("rb") as src:
-            out.write(_header_bytes(self._entries, {"format": "pt"}))
-            shutil.copyfileobj(src, out, 16 << 20)
-        data.unlink()
-        self._shards.append((path, [e[0] for e in self._entries]))
+        self._shards.append((self._shard_path(), [e[0] for e in self._entries]))
         self.total_bytes += sum(e[3] for e in self._entries)
-        self._entries, self._data = [], None
+        self._entries, self._data, self._header_bound = [], None, 0
 
     def close(self) -> list[Path]:
         """Flush and give shards their final names (a single ``model.safetensors`` if only one)."""

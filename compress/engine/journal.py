@@ -1,6 +1,7 @@
 """A run's progress, recorded block by block in its temporary output directory, so that a killed run resumes.
 
-After each finished and written block the engine hands `BlockJournal.block_done` what the next block needs:
+After each finished and written block the engine hands `BlockJournal.block_done` what the next block needs (it
+records it unless that would take more than `RECORD_SHARE` of the run's time):
 the calibration inputs (hidden states and the block's other arguments), the per-layer reports so far, the
 layers written packed (for the format's config) and what the methods and the block observer learned over
 the blocks (``learned_state``: e.g. static input scales, KV-cache maxima). They go to ``.progress/``::
@@ -29,6 +30,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ from compress.quantizers.grid import QuantScheme
 log = logging.getLogger(__name__)
 
 RECORD_VERSION = 3  # 2: inputs in a folder of per-batch files; 3: per process
+RECORD_SHARE = 0.05  # the most of a run's time its progress records may take (see `BlockJournal.block_done`)
 # the only classes a state file may hold besides tensors and containers (torch.load weights_only)
 SAFE_CLASSES = [PackedLayer, QuantScheme, FloatScheme, FloatFormat, FloatGrid, LayerReport]
 
@@ -114,6 +117,8 @@ class BlockJournal:
     def __init__(self, directory: Path, current: dict[str, Any]):
         self.root = directory / PROGRESS
         self.fingerprint = current
+        self._cost = 0.0  # seconds the last record took to write (none yet: the first block is always recorded)
+        self._since = time.perf_counter()  # when the last record was finished
 
     def restore(self, engine, writer) -> tuple[int, list, list[LayerReport]] | None:
         """(first unfinished block, its calibration inputs, the reports so far) from the record, with the
@@ -150,10 +155,26 @@ class BlockJournal:
         return record["block"] + 1, inputs, state["layers"]
 
     def block_done(self, index: int, engine, writer, inputs: list, layers: list[LayerReport]) -> None:
-        """Record that blocks up to ``index`` are written; ``inputs`` are the next block's (this process's share)."""
+        """Record that blocks up to ``index`` are written; ``inputs`` are the next block's (this process's share).
+
+        Skipped while the records would cost more than `RECORD_SHARE` of the run's time: the work since the last
+        record took less than its write time / `RECORD_SHARE` (short blocks on many calibration windows, where
+        writing the activations costs a sizeable part of a block). A kill then loses at most that much work more,
+        and the resumed run still ends with the same bytes (it continues from the last record). The first and the
+        last block are always recorded; the main process decides for all."""
+        ranks = engine.ranks
+        last = index + 1 == len(engine.handle.blocks)  # after the last block nothing runs on the inputs
+        due = last or time.perf_counter() - self._since >= self._cost / RECORD_SHARE
+        if not ranks.broadcast_object(due):
+            return
+        start = time.perf_counter()
+        self._record(index, engine, writer, inputs, layers, last)
+        self._since = time.perf_counter()
+        self._cost = self._since - start
+
+    def _record(self, index: int, engine, writer, inputs: list, layers: list[LayerReport], last: bool) -> None:
         ranks = engine.ranks
         name, folder = f"state-{index}.pt", f"inputs-{index}"
-        last = index + 1 == len(engine.handle.blocks)  # after the last block nothing runs on the inputs
         kept = [] if last else inputs
         reference = [] if last or engine.reference is None else engine.reference.inputs
         partial = self.root / f"{folder}.partial"

@@ -213,7 +213,7 @@ def export_calibrated(
             write_config(config.model, Path(scratch), {"stages": [stage.method.record() for stage in stages]})
             result = export_gguf(replace(config, model=Path(scratch)), progress, encoded=encoded_by_disk_name())
     result.notes.append(f"calibrated with {method.value} on {calibration.samples} x {calibration.seq_len} tokens of {calibration.path.name}")
-    gains = [np.log(r.info["rtn_rel_error"] / r.info["rel_error"]) for r in run.layers if r.info.get("rel_error")]
+    gains = [np.log(r.info["rtn_rel_error"] / r.info["rel_error"]) for r in run.layers if r.info.get("rel_error") and "rtn_rel_error" in r.info]
     if gains:
         result.notes.append(f"GPTQ: layer output error {np.exp(np.mean(gains)):.2f}x below ggml's rounding (geometric mean)")
     result.seconds = time.perf_counter() - start  # calibration included

@@ -134,6 +134,15 @@ def test_bytes_are_the_weight_and_beat_ggml_rounding(kind):
     assert torch.equal(w, w0) and torch.equal(h, h0)
 
 
+def test_without_the_comparison_the_bytes_are_the_same_and_the_figure_is_absent():
+    """``compare_rtn=False`` skips encoding the weight with ggml's rounding: same bytes and figures, no ``rtn_rel_error``."""
+    w, h, _ = correlated_layer(16, 512, 2048, seed=4)
+    compared = gguf_gptq(w, h, GGUFGPTQConfig(G.Q4_K))
+    alone = gguf_gptq(w, h, GGUFGPTQConfig(G.Q4_K, compare_rtn=False))
+    np.testing.assert_array_equal(alone.data, compared.data)
+    assert "rtn_rel_error" not in alone.stats and alone.stats == {k: v for k, v in compared.stats.items() if k != "rtn_rel_error"}
+
+
 @pytest.mark.parametrize("kind", [G.Q2_K, G.Q3_K, G.Q4_K, G.Q6_K], ids=lambda k: k.name)
 def test_diagonal_hessian_is_ggml_rounding(kind):
     """With no correlation between inputs nothing is fed back: the file is ggml's own encoding (the

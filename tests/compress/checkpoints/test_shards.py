@@ -274,6 +274,27 @@ def test_writer_single_shard(tmp_path):
     assert writer.total_bytes == sum(_nbytes(t) for t in tensors.values())
 
 
+def test_shards_are_written_in_place_and_a_full_header_room_starts_the_next_shard(tmp_path):
+    """Each shard's header sits in the room reserved before its data (padded with spaces, which the safetensors
+    library reads); 300 small tensors in one 1 MB shard's 4 KB room: the header would outgrow it, so the writer
+    finishes shards early, each with its room filled no further than it fits."""
+    writer = ShardedWriter(tmp_path, max_shard_bytes=1 << 20)
+    assert writer.header_room == 4096
+    tensors = {f"model.layers.{i}.mlp.weight_scale": torch.full((3,), float(i)) for i in range(300)}
+    for name, t in tensors.items():
+        writer.add(name, t)
+        assert [p.suffix for p in tmp_path.iterdir()] == [".tmp"] * len(list(tmp_path.iterdir()))  # no side files
+    finals = writer.close()
+    assert len(finals) > 1
+    loaded = {}
+    for path in finals:
+        raw = path.read_bytes()
+        assert int.from_bytes(raw[:8], "little") == 4096 - 8 and raw[8:4096].rstrip(b" ").endswith(b"}")
+        assert len(raw) == 4096 + 12 * len(load_file(str(path)))
+        loaded.update(load_file(str(path)))
+    assert loaded.keys() == tensors.keys() and all(torch.equal(loaded[n], t) for n, t in tensors.items())
+
+
 def test_writer_non_contiguous_input(tmp_path):
     base = torch.randn(8, 6)
     view = base.t()  # non-contiguous
@@ -368,8 +389,8 @@ def test_a_restored_writer_finishes_with_the_bytes_of_an_uninterrupted_one(tmp_p
 
 
 def test_a_writer_killed_while_finishing_a_shard_is_restored(tmp_path):
-    """Killed inside `flush` after the shard file was written and its data file removed: the data are taken
-    back from the shard file."""
+    """Killed after `flush` wrote the shard's header, before the next record: the shard is cut back to the
+    recorded data and finished again."""
     tensors, limit = _resume_tensors(), 10_000
     whole, killed = _uninterrupted(tmp_path, tensors, limit)
     writer, names = ShardedWriter(killed, limit), list(tensors)
@@ -377,8 +398,8 @@ def test_a_writer_killed_while_finishing_a_shard_is_restored(tmp_path):
         writer.add(name, tensors[name])
     state = writer.state()
     writer.add(names[5], tensors[names[5]])
-    writer.flush()  # the shard is finished (header and data in shard-00000.tmp) and its data file removed
-    assert not (killed / "shard-00000.data").exists() and (killed / "shard-00000.tmp").exists()
+    writer.flush()  # the shard is finished: its header written into the room before its data
+    assert sorted(p.name for p in killed.iterdir()) == ["shard-00000.tmp"]
     resumed = ShardedWriter(killed, limit)
     resumed.restore(state)
     for name in names[5:]:

@@ -252,8 +252,8 @@ def test_a_gptq_run_killed_at_a_random_block_resumes_to_the_same_bytes(tmp_path,
 
 def test_a_run_killed_after_finishing_a_shard_resumes_to_the_same_bytes(tmp_path, tiny_tokenizer, forked):
     """Dense 2.4 MB blocks in 1 MB shards: the run is killed once a shard is finished after the last progress
-    record, whose shard was then still open (its data file is gone, the finished shard holds it): --resume
-    takes the data back, drops the newer shard and ends with an uninterrupted run's bytes."""
+    record, whose shard was then still open (the header written into its room and the next shard begun): --resume
+    cuts the shard back to the record, drops the newer shard and ends with an uninterrupted run's bytes."""
     from conftest import save_random_model, tiny_llama_config
 
     model = save_random_model(tiny_llama_config(len(tiny_tokenizer), hidden_size=256, intermediate_size=512, num_hidden_layers=3),
@@ -276,7 +276,7 @@ def test_a_run_killed_after_finishing_a_shard_resumes_to_the_same_bytes(tmp_path
             writer = json.loads((partial / ".progress" / "progress.json").read_text())["writer"]
         except (OSError, ValueError):
             return False
-        return bool(writer["entries"]) and (partial / f"shard-{len(writer['shards']):05d}.tmp").exists()
+        return bool(writer["entries"]) and (partial / f"shard-{len(writer['shards']) + 1:05d}.tmp").exists()  # the next one begun
 
     while not shard_finished_after_the_record():
         assert child.is_alive() and time.monotonic() < deadline, (tmp_path / "killed.txt").read_text()

@@ -78,6 +78,24 @@ def test_a_resumed_run_writes_the_bytes_of_an_uninterrupted_one(tmp_path, three_
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # the killed run's directory became the output
 
 
+def test_records_that_would_cost_too_much_are_skipped_and_the_run_resumes_from_the_last_one(tmp_path, three_blocks, monkeypatch):
+    """With records allowed a vanishing share of the run's time, block 1 (neither the first nor the last) is not
+    recorded: a kill after it leaves block 0's record, and the resumed run redoes block 1 to the same bytes."""
+    import compress.engine.journal as journal
+
+    out = tmp_path / "out"
+    argv = ["quantize", str(three_blocks), "-o", str(out), "--method", "gptq", "--group-size", "32", *CALIB]
+    assert CliRunner().invoke(app, argv).exit_code == 0
+    whole = _digests(out)
+    shutil.rmtree(out)
+    monkeypatch.setattr(journal, "RECORD_SHARE", 1e-9)
+    killed = _killed_after(1, argv, out, monkeypatch)
+    assert json.loads((killed / PROGRESS / "progress.json").read_text())["block"] == 0
+    resumed = CliRunner().invoke(app, [*argv, "--resume"])
+    assert resumed.exit_code == 0, resumed.output
+    assert _digests(out) == whole
+
+
 def test_a_changed_setting_is_refused_naming_it(tmp_path, three_blocks, monkeypatch):
     out = tmp_path / "out"
     argv = ["quantize", str(three_blocks), "-o", str(out), "--method", "gptq", "--group-size", "32", *CALIB]
