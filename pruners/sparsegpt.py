@@ -39,7 +39,8 @@ import torch
 from compress.pruners.masks import NM, Pattern, prune_lowest_nm, prune_lowest_per_row
 from compress.pruners.result import PruneResult
 from compress.quantizers.grid import QuantScheme, compute_qparams
-from compress.quantizers.gptq import check_solver_settings, feed_error_, inverse_hessian_factor, solver_figures, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, feed_error_, solver_figures, solver_inputs
+from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.result import QuantResult
 from compress.quantizers.threads import one_thread
 

@@ -39,7 +39,8 @@ from compress.formats.gguf import grids
 from compress.formats.gguf.codecs import decode_tensor, round_trip
 from compress.formats.gguf.lattice import parity_signs
 from compress.formats.gguf.sizes import GGMLType
-from compress.quantizers.gptq import check_solver_settings, inverse_hessian_factor, layer_errors, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, layer_errors, solver_inputs
+from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.threads import one_thread
 
 

@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import torch
 
 from compress.quantizers.grid import mse_qparams
+from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.result import Grid, QuantResult
 from compress.quantizers.threads import one_thread
 
@@ -230,38 +231,3 @@ def layer_errors(weight: torch.Tensor, quantized: list[torch.Tensor], hessian: t
     base = proxy_loss(W, H)
     errors = [proxy_loss(W - q.float(), H) for q in quantized]
     return [(error, error / base if base > 0 else 0.0) for error in errors]
-
-
-def inverse_hessian_factor(
-    H: torch.Tensor, damp: float, max_retries: int
-) -> tuple[torch.Tensor, float, float, int]:
-    """Upper Cholesky factor ``U`` of ``(H + λI)⁻¹`` with ``λ = damp · mean(diag H)``.
-
-    As the reference: ``cholesky`` → ``cholesky_inverse`` → ``cholesky(upper=True)``. When a
-    factorization fails or is not finite, ``damp`` is multiplied by 10, up to ``max_retries`` times.
-    Returns ``(U, damp, λ, retries)``. ``H`` must be the caller's own copy: it is damped in place
-    (for a large layer every extra [in, in] copy is hundreds of MB). Factored on one thread: the same factor
-    whatever the process's thread count (see quantizers/threads.py).
-    """
-    with one_thread(H.device):
-        return _factor(H, damp, max_retries)
-
-
-def _factor(H: torch.Tensor, damp: float, max_retries: int) -> tuple[torch.Tensor, float, float, int]:
-    diagonal = torch.diagonal(H).clone()
-    mean_diag = float(diagonal.mean())
-    for retry in range(max_retries + 1):
-        rel = damp * 10**retry
-        lam = rel * mean_diag
-        torch.diagonal(H).copy_(diagonal + lam)
-        factor, info = torch.linalg.cholesky_ex(H)
-        if info.item() != 0:
-            continue
-        factor = torch.cholesky_inverse(factor)
-        factor, info = torch.linalg.cholesky_ex(factor, upper=True)
-        if info.item() == 0 and torch.isfinite(factor).all():
-            return factor, rel, lam, retry
-    raise ValueError(
-        f"hessian is not positive definite even with damp {damp * 10**max_retries:g} "
-        f"(mean diagonal {mean_diag:g}, {max_retries} retries)"
-    )

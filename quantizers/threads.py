@@ -6,11 +6,11 @@ project's 2-core machine, GPTQ of a 576-column layer took 65 ms on one thread an
 process busy (40x; bench/gptq_speed.py). The blocked updates between the loops are real matrix products and
 keep every thread.
 
-The Hessian's Cholesky factorization runs on one thread too: MKL's float32 factor rounds differently with 1
-and 2 threads, and GPTQ's codes then differ between machines of different core counts (8 of 12 random
-layers did); on one thread every count gives the same codes (the matrix products here split rows and
-columns, not the sum, so they agree). It costs ~1.6x the factorization's time (1536 columns: 69 -> 113 ms). ``torch.set_num_threads`` is process-wide, so the previous count is restored on exit;
-the solvers are not run concurrently from several threads of one process.
+The Hessian's factorization runs its diagonal blocks on one thread (`compress.quantizers.hessian_factor`): MKL's
+float32 Cholesky rounds differently with 1 and 2 threads, and GPTQ's codes then differed between machines of
+different core counts (8 of 12 random layers did); the products between the blocks split rows and columns, not
+the sum, so they keep every thread and agree. ``torch.set_num_threads`` is process-wide, so the previous count is
+restored on exit; the solvers are not run concurrently from several threads of one process.
 """
 
 from __future__ import annotations
