@@ -1,7 +1,8 @@
 """Determinism: the same command on the same inputs writes the same bytes, in every file of the output
 (weights, config.json with its record, model card, layer report, manifest; GGUF files and their
 manifests whole), run twice and with 1 or 2 CPU threads (`torch.set_num_threads`). GPTQ and SparseGPT too:
-they factor the Hessian on one thread (MKL's float32 Cholesky rounds differently with 1 and 2 threads)."""
+their Hessian factor's diagonal blocks run on one thread (MKL's float32 Cholesky rounds differently with 1 and 2
+threads; `compress.quantizers.hessian_factor`)."""
 
 from __future__ import annotations
 
