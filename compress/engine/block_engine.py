@@ -128,11 +128,12 @@ class Engine:
         self._one_pass_stage = self._stage_for_one_pass()
 
     def _stage_for_one_pass(self) -> Stage | None:
-        """The run's only stage, when its statistics and solves can ride the propagation pass (`compress.engine.
-        one_pass`): no reference stream or observer beside the pass, no routed experts (inputs differ per expert)."""
-        if len(self.stages) != 1 or self.observer is not None or self.needs_reference:
+        """The run's last stage, when its statistics and solves can ride the propagation pass (`compress.engine.
+        one_pass`; the stages before it transform each block first, pass by pass: SmoothQuant before GPTQ): no
+        reference stream or observer beside the pass, no routed experts (inputs differ per expert)."""
+        if not self.stages or self.observer is not None or self.needs_reference:
             return None
-        stage = self.stages[0]
+        stage = self.stages[-1]
         return stage if one_pass_capable(stage.methods()) and not routing_modules(self.handle.model) else None
 
     def capture_batch(self, windows: torch.Tensor) -> int:
@@ -249,7 +250,8 @@ class Engine:
         """Carry the uncompressed model's block inputs from ``inputs`` on (asymmetric calibration)."""
         self.reference = ReferenceStream(inputs, self.new_activations)
 
-    def _compress_block(self, index: int, inputs) -> list[LayerReport]:
+    def _compress_block(self, index: int, inputs, stages: list[Stage] | None = None) -> list[LayerReport]:
+        """Block ``index`` compressed pass by pass by ``stages`` (all the run's by default), one after the other."""
         block, block_name = self.handle.blocks[index], self._block_names[index]
         reports = []
         routing = routing_modules(block)
@@ -257,7 +259,7 @@ class Engine:
             module.calibrate_all_experts = self.all_experts
         if self.reference is not None:
             self.reference.start(block_name, block)
-        for stage in self.stages:
+        for stage in self.stages if stages is None else stages:
             layers = {n: m for n, m in stage.layers.items() if n.startswith(block_name + ".")}
             if not layers:
                 continue
@@ -307,11 +309,13 @@ class Engine:
             order = self._call_order(block, block_name, layers, inputs)
         if not order.once:
             return None
+        earlier = self._compress_block(index, inputs, self.stages[:-1]) if len(self.stages) > 1 else []
         needs_of = functools.partial(self._group_needs, stage)
         solve_group = functools.partial(self._solve_group, stage, block, block_name, routing={}, inputs=inputs)
         try:
             reports, hidden = solve_while_propagating(block, inputs[0], order, needs_of, solve_group)
-        except CallsDiverged as exc:
+            reports = earlier + reports
+        except CallsDiverged as exc:  # (the earlier stages run again on the weights read again)
             log.warning("%s: compressing pass by pass (%s)", block_name, exc)
             self.handle.materialize(block, block_name, self.device, self.dtype)
             return None

@@ -76,6 +76,31 @@ def test_one_pass_writes_what_pass_by_pass_writes(tmp_path):
         torch.testing.assert_close(one[name], passes[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_a_last_stage_rides_the_pass_after_the_stages_before_it(tmp_path, monkeypatch, tiny_tokenizer):
+    """SmoothQuant then GPTQ W8A8: each block is smoothed pass by pass, then GPTQ solves it in the one pass; the
+    tensors are those of the run that takes every pass (the recipe's `activation_memory` leaves no room for one)."""
+    from compress.engine import block_engine
+    from compress.run.recipe import parse_recipe
+    from compress.run.runner import run_recipe
+    from conftest import CALIB_TEXT
+
+    model_dir = save_random_model(tiny_llama_config(len(tiny_tokenizer)), tmp_path / "in", tiny_tokenizer)
+    passes = []
+    monkeypatch.setattr(block_engine, "solve_while_propagating", lambda *a, solve=block_engine.solve_while_propagating: (
+        passes.append(1), solve(*a))[1])
+    outputs = {}
+    for name, memory in [("one", None), ("passes", 1)]:
+        calibration = {"path": CALIB_TEXT, "samples": 6, "seq_len": 24, "batch_size": 2, **({"activation_memory": memory} if memory else {})}
+        run_recipe(parse_recipe({"model": model_dir, "calibration": calibration, "output": {"path": tmp_path / name},
+                                 "stages": [{"method": "smoothquant"}, {"method": "gptq", "scheme": "w8a8-int8"}]}))
+        outputs[name] = load_file(tmp_path / name / "model.safetensors")
+        if name == "one":
+            assert len(passes) == 2  # both blocks
+    assert len(passes) == 2 and outputs["one"].keys() == outputs["passes"].keys()
+    for name, tensor in outputs["one"].items():
+        torch.testing.assert_close(tensor, outputs["passes"][name], rtol=1e-5, atol=1e-6, msg=name)
+
+
 def test_one_pass_runs_each_block_once(tmp_path):
     """Counted by hooks on the model's modules: one window learns the call order, then one pass per block."""
     model_dir = save_random_model(tiny_llama_config(VOCAB), tmp_path / "in")
