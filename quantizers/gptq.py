@@ -200,7 +200,8 @@ def feed_error_(later: torch.Tensor, u: torch.Tensor, err: torch.Tensor, scratch
     """``later −= u ⊗ err`` (``later [k, rows]``, ``u [k]``, ``err [rows]``; ``scratch`` at least ``[k, rows]``): the
     column loop's error feedback, each product rounded once, then subtracted. So every weight's update is the same
     whatever the number of rows: a layer solved in row slices (on several processes) is bit for bit the layer
-    solved whole. (BLAS's rank-1 update, ``addr_``, fuses multiply and add for some row counts and not others.)"""
+    solved whole. (With BLAS's rank-1 update, ``addr_``, a layer solved in row slices came out different in the last
+    bits: tests/compress/engine/methods/test_row_slices.py.)"""
     products = torch.mul(u.unsqueeze(1), err, out=scratch[: u.shape[0]])
     later.sub_(products)
 
