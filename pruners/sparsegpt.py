@@ -39,7 +39,7 @@ import torch
 from compress.pruners.masks import NM, Pattern, prune_lowest_nm, prune_lowest_per_row
 from compress.pruners.result import PruneResult
 from compress.quantizers.grid import QuantScheme, compute_qparams
-from compress.quantizers.gptq import check_solver_settings, feed_error_, solver_figures, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, columns_as_now, feed_error_, solver_figures, solver_inputs
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.result import QuantResult
 from compress.quantizers.threads import one_thread
@@ -123,11 +123,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
                 else:
                     g = j // width
                     if j % width == 0:  # the group's grid from its columns as they are now (as GPTQ)
-                        cols_now = W1[i : i + width]
-                        if j + width > i2:
-                            pending = Wt[i2 : j + width] - U[i1:j, i2 : j + width].t() @ Err1[:i]
-                            cols_now = torch.cat([cols_now, pending])
-                        s, z = compute_qparams(cols_now.t(), scheme)
+                        s, z = compute_qparams(columns_as_now(Wt, W1, U, Err1, i1, i, width).t(), scheme)
                         scale_rows[g].copy_(s[:, 0])
                         zero_rows[g].copy_(z[:, 0])
                     # a pruned weight is rounded as zero: it maps to the zero point, whose value is exactly 0

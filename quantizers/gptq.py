@@ -162,13 +162,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
             for i, (w, err, codes, deq, u) in enumerate(rows):
                 j, g = i1 + i, group_of[i1 + i]
                 if not config.act_order and j % width == 0:
-                    # The group's grid from its columns as they are now: in-block columns from W1,
-                    # later ones from W with this block's pending updates applied.
-                    cols = W1[i : i + width]
-                    if j + width > i2:
-                        pending = Wt[i2 : j + width] - U[i1:j, i2 : j + width].t() @ Err1[:i]
-                        cols = torch.cat([cols, pending])
-                    s, z = qparams(cols.t())
+                    s, z = qparams(columns_as_now(Wt, W1, U, Err1, i1, i, width).t())
                     scale_rows[g].copy_(s[:, 0])
                     zero_rows[g].copy_(z[:, 0])
                 column.round_column(w, scale_rows[g], zero_rows[g], codes, deq)
@@ -194,6 +188,18 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         **solver_figures(weight, Q, hessian),
     }
     return QuantResult(Q, codes, scale, zero, scheme, g_idx=g_idx, stats=stats)
+
+
+def columns_as_now(Wt: torch.Tensor, W1: torch.Tensor, U: torch.Tensor, Err1: torch.Tensor, i1: int, i: int, width: int) -> torch.Tensor:
+    """The ``width`` columns from block column ``i`` on, as they are when it is reached (a group's grid is fitted to
+    them): in-block columns from the block ``W1 [B, out]`` (starting at column ``i1`` of ``Wt [in, out]``), later ones
+    from ``Wt`` with the block's pending updates (the errors ``Err1`` of its first ``i`` columns) applied. ``[width, out]``."""
+    j, i2 = i1 + i, i1 + W1.shape[0]
+    cols = W1[i : i + width]
+    if j + width > i2:
+        pending = Wt[i2 : j + width] - U[i1:j, i2 : j + width].t() @ Err1[:i]
+        cols = torch.cat([cols, pending])
+    return cols
 
 
 def feed_error_(later: torch.Tensor, u: torch.Tensor, err: torch.Tensor, scratch: torch.Tensor) -> None:
