@@ -20,7 +20,7 @@ from compress.checkpoints.model_io import get_weight, set_weight
 from compress.quantizers.awq import AWQConfig, search_clip, search_scales
 from compress.quantizers.rtn import rtn
 from compress.engine.registry import register_method
-from compress.engine.statistics import CallRecorder, Stat
+from compress.engine.statistics import CallRecorder, Stat, add_upper_gram_, symmetric_from_upper
 
 
 class AWQMethodConfig(GridQuantConfig):
@@ -47,6 +47,35 @@ def _output_error(calls, run, ranks) -> float:
         count += reference.numel()
     total, count = ranks.sum_floats(total, count)
     return total / max(count, 1)
+
+
+class _LinearOutputError:
+    """`_output_error` for layers fed one recorded input (a group without a sub-module to inspect: v → o_proj,
+    up → down_proj): ``Σ_calls ‖X Δᵀ‖² = tr(Δ G Δᵀ)`` with ``Δ = W_candidate − W`` and ``G = Σ XᵀX``, the same
+    error as the layers' outputs give, from one Gram matrix. Why: a candidate then costs ``out·in²`` multiplications
+    instead of ``tokens·in·out`` (o_proj on 16k tokens: 28× fewer), and these groups were a quarter of the search."""
+
+    def __init__(self, calls, layers, ranks):
+        self.originals = [get_weight(m).detach().float().clone() for m in layers]  # a copy: folding changes them later
+        self.dtypes = [get_weight(m).dtype for m in layers]
+        width, device = self.originals[0].shape[1], self.originals[0].device
+        self.gram = torch.zeros(width, width, dtype=torch.float64, device=device)  # an expert may get no token
+        tokens = 0
+        for args, _, _ in calls:
+            rows = args[0].reshape(-1, width).float()
+            add_upper_gram_(self.gram, rows)
+            tokens += rows.shape[0]
+        self.gram = symmetric_from_upper(self.gram).float()
+        self.count = tokens * sum(w.shape[0] for w in self.originals)
+        self.ranks = ranks
+
+    def __call__(self, candidates: list[torch.Tensor]) -> float:
+        total = 0.0
+        for w, original, dtype in zip(candidates, self.originals, self.dtypes):
+            delta = w.to(dtype).float().to(self.gram.device) - original  # the layer's weight as it would be set
+            total += (delta @ self.gram).mul_(delta).sum(dtype=torch.float64).item()
+        total, count = self.ranks.sum_floats(total, self.count)
+        return total / max(count, 1)
 
 
 def _scaled_inputs(stats: dict, divisor: torch.Tensor | None) -> dict:
@@ -144,16 +173,13 @@ class AWQ(InputQuantization, Method):
                 def run(args, kwargs, inspect=inspect):
                     out = inspect(*args, **kwargs)
                     return out[0] if isinstance(out, (tuple, list)) else out
-            else:
-                def run(args, kwargs, layers=layers):
-                    return torch.cat([m(*args, **kwargs) for m in layers], dim=-1)
 
-                calls = [(a, k, run(a, k)) for a, k, _ in calls]  # reference: all the group's outputs
-
-            def loss(candidates, layers=layers, calls=calls, run=run):
-                for module, w in zip(layers, candidates):
-                    set_weight(module, w)
-                return _output_error(calls, run, replay.ranks)
+                def loss(candidates, layers=layers, calls=calls, run=run):
+                    for module, w in zip(layers, candidates):
+                        set_weight(module, w)
+                    return _output_error(calls, run, replay.ranks)
+            else:  # the layers themselves: their output error is a quadratic form of the weight change
+                loss = _LinearOutputError(calls, layers, replay.ranks)
 
             quantizers = [self.round_trip(selected[n]) if n in selected else None for n in group.layers]
             search = search_scales(x_mean.to(originals[0].device), originals, loss, config, quantizers)
