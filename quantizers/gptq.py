@@ -49,6 +49,7 @@ from dataclasses import dataclass
 
 import torch
 
+from compress.quantizers.finite import all_finite
 from compress.quantizers.grid import mse_qparams
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.result import Grid, QuantResult
@@ -92,9 +93,9 @@ def solver_inputs(weight: torch.Tensor, hessian: torch.Tensor) -> tuple[torch.Te
         raise ValueError(f"weight {tuple(weight.shape)} and hessian {tuple(hessian.shape)} do not match")
     W = weight.detach().to(torch.float32, copy=True)
     H = hessian.detach().to(torch.float32, copy=True)
-    if not torch.isfinite(W).all():
+    if not all_finite(W):
         raise ValueError("weight contains NaN or inf")
-    if not torch.isfinite(H).all():
+    if not all_finite(H):
         raise ValueError("hessian contains NaN or inf")
     return W, H
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 
 import torch
 
+from compress.quantizers.finite import all_finite
+
 from compress.quantizers.threads import one_thread
 
 BLOCK = 128  # rows per step: the diagonal blocks' factorizations are one-thread work, the products between them large
@@ -68,7 +70,7 @@ def inverse_hessian_factor(H: torch.Tensor, damp: float, max_retries: int) -> tu
         lam = rel * mean_diag
         torch.diagonal(H).copy_(diagonal + lam)
         factor = upper_inverse_factor(H)
-        if factor is not None and torch.isfinite(factor).all():
+        if factor is not None and all_finite(factor):
             return factor, rel, lam, retry
     raise ValueError(
         f"hessian is not positive definite even with damp {damp * 10**max_retries:g} "

@@ -24,6 +24,7 @@ from pathlib import Path
 
 import torch
 from compress.errors import CompressError
+from compress.quantizers.finite import all_finite
 
 # safetensors dtype names (safetensors/src/tensor.rs) -> torch dtypes
 SAFETENSORS_DTYPES = {
@@ -101,14 +102,11 @@ def _read_safetensors_header(path: Path) -> tuple[int, dict[str, dict]]:
 
 
 def check_finite(path: Path, name: str, tensor: torch.Tensor) -> None:
-    """A floating-point tensor holds no NaN or Inf, or a one-line error naming it. A sum is finite only if
-    every value is (NaN and Inf propagate through additions), and costs a twentieth of an elementwise test
-    (measured: 24 ms against 370 ms for 16 M float32 values), which runs only when the sum is not finite."""
-    if not tensor.is_floating_point() or tensor.numel() == 0:
+    """A floating-point tensor holds no NaN or Inf, or a one-line error naming it (`all_finite`: one sum
+    unless something is wrong)."""
+    if all_finite(tensor):
         return
-    values = tensor.float() if tensor.element_size() == 1 else tensor  # no float8 sum in torch
-    if bool(torch.isfinite(values.sum())):
-        return
+    values = tensor.float() if tensor.element_size() == 1 else tensor
     bad = int((~torch.isfinite(values)).sum())
     if bad:
         raise CompressError(
