@@ -17,6 +17,7 @@ from compress.engine.activations import scratch_beside
 from compress.engine.block_engine import Engine, EngineResult, LayerFn, ProgressFn, Stage
 from compress.engine.journal import BlockJournal, check_resumable, fingerprint
 from compress.engine.ranks import Ranks
+from compress.run.background import Background
 from compress.eval.perplexity import EvalResult
 from compress.errors import CompressError
 from compress.checkpoints.loading import load_tokenizer, resolve_device
@@ -180,6 +181,7 @@ def run_stages(
             raise CompressError("--resume: structured pruning records no progress to resume: run without --resume")
         engine, input_bytes, evaluation, notes = run_reshaping(recipe, reshaping, _record(recipe, command, [reshaping]), progress)
         return RunResult(recipe.output.path, engine, input_bytes, dir_size(recipe.output.path), evaluation, notes)
+    digests = Background(lambda: _inputs(recipe), "input digests")  # while the model's code is imported
     device = resolve_device(recipe.device.value)
     handle = open_model(recipe.model, recipe.trust_remote_code)
     if getattr(handle.config, "quantization_config", None):
@@ -212,7 +214,7 @@ def run_stages(
         if not engine.needs_data:
             log.warning("no method in this recipe uses calibration data; it was checked but is unused")
     engine.check_calibration(calibration)
-    inputs = _inputs(recipe)
+    inputs = digests.result()
     # a plan file's layers, not only its path; the processes, each of which recorded its share of the inputs
     settings = {**_settings(recipe), "plans": [plan.to_dict() for _, plan in plans], "processes": ranks.world}
     current = fingerprint(settings, inputs["model"], calibration)
