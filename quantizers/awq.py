@@ -103,23 +103,31 @@ def search_scales(
 
 
 def search_clip(weight: torch.Tensor, x: torch.Tensor, config: AWQConfig, rows_per_batch: int = 1024) -> torch.Tensor:
-    """Per (row, group) range shrink minimizing the group's partial-output error on tokens ``x [n, in]``."""
+    """Per (row, group) range shrink minimizing the group's partial-output error on tokens ``x [n, in]``,
+    ``mean_n (Σ_k x_nk δ_k)²`` with ``δ`` the group's weight change. Groups narrower than ``n`` take it as
+    ``δ G_g δᵀ / n`` from the Gram matrices ``G_g = Σ_n x_ng x_ngᵀ`` ``[G, width, width]``: ``width²`` products
+    per (row, group) instead of ``n·width`` (8× fewer on 512 tokens and groups of 64); wider ones (per channel)
+    from the partial outputs ``x·δ``. A candidate that rounds to the same codes gets the very same error."""
     w = weight.float()
     scheme = config.scheme.fit(w)  # per-tensor parameters (NVFP4's global scale) from the whole weight
     out_features, in_features = w.shape
     width = scheme.group_width(in_features)
-    xg = x.float().reshape(-1, in_features // width, width)  # [n, G, width]
+    xg = x.float().reshape(-1, in_features // width, width).transpose(0, 1)  # [G, n, width]
+    tokens = max(xg.shape[1], 1)
+    gram = xg.transpose(1, 2) @ xg if width < tokens else None  # [G, width, width]
     steps = [1 - i / config.clip_grid for i in range(int(config.max_shrink * config.clip_grid))]
     best_shrink = torch.ones(out_features, in_features // width)
-    for start in range(0, out_features, rows_per_batch):  # bounds the [rows, G, n] partial outputs
+    for start in range(0, out_features, rows_per_batch):  # bounds the [G, rows, width] products
         rows = w[start : start + rows_per_batch]
-        reference = torch.einsum("ngk,rgk->rgn", xg, rows.reshape(rows.shape[0], -1, width))
         best_err = None
         for shrink in steps:
             scale, zero = scheme.qparams(rows, shrink)
             deq = scheme.dequantize(scheme.quantize(rows, scale, zero), scale, zero)
-            out = torch.einsum("ngk,rgk->rgn", xg, deq.reshape(rows.shape[0], -1, width))
-            err = (out - reference).square().mean(dim=-1)  # [rows, G]
+            delta = (deq - rows).reshape(rows.shape[0], -1, width).transpose(0, 1)  # [G, rows, width]
+            if gram is not None:
+                err = ((delta @ gram).mul_(delta).sum(dim=-1) / tokens).T  # [rows, G]
+            else:
+                err = (xg @ delta.transpose(1, 2)).square_().mean(dim=1).T  # [G, n, rows] -> [rows, G]
             if best_err is None:
                 best_err = err
                 continue

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from compress.quantizers.awq import AWQConfig, candidate_scales, search_clip, search_scales
@@ -78,10 +79,11 @@ def _fake_quant_clipped(row, scheme, shrink):
     return dequantize(quantize(row, scale, zero, scheme), scale, zero, scheme)
 
 
-def test_clip_search_matches_slow_reference():
-    x, w = _salient_layer(2, in_features=32, out_features=6, tokens=64)
+@pytest.mark.parametrize("tokens, group", [(64, 16), (16, -1)])  # groups narrower than the tokens (Gram), per channel
+def test_clip_search_matches_slow_reference(tokens, group):
+    x, w = _salient_layer(2, in_features=32, out_features=6, tokens=tokens)
     w[0, 3] = 8.0  # an outlier weight makes clipping worthwhile in that group
-    for scheme in (QuantScheme(3, True, 16), QuantScheme(4, False, 16)):
+    for scheme in (QuantScheme(3, True, group), QuantScheme(4, False, group)):
         config = AWQConfig(scheme, clip_grid=10, max_shrink=0.5)
         got = search_clip(w, x, config, rows_per_batch=4)
         expected = _reference_clip(w, x, scheme, 10, 0.5)
