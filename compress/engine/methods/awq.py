@@ -91,7 +91,8 @@ def _scaled_inputs(stats: dict, divisor: torch.Tensor | None) -> dict:
 
 def _sample_tokens(calls, count: int, ranks) -> torch.Tensor:
     """``count`` evenly strided token vectors from the recorded inputs (of every rank, in order): ``[n, in]``."""
-    x = torch.cat([args[0].reshape(-1, args[0].shape[-1]) for args, _, _ in calls])
+    parts = [args[0].reshape(-1, args[0].shape[-1]) for args, _, _ in calls]
+    x = parts[0] if len(parts) == 1 else torch.cat(parts)  # one call (every window in one batch): no copy
     return ranks.strided_rows(x, count)
 
 
