@@ -22,7 +22,6 @@ from __future__ import annotations
 import torch
 
 from compress.quantizers.finite import all_finite
-
 from compress.quantizers.threads import one_thread
 
 BLOCK = 128  # rows per step: the diagonal blocks' factorizations are one-thread work, the products between them large

@@ -107,11 +107,10 @@ def check_finite(path: Path, name: str, tensor: torch.Tensor) -> None:
     if all_finite(tensor):
         return
     values = tensor.float() if tensor.element_size() == 1 else tensor
-    bad = int((~torch.isfinite(values)).sum())
-    if bad:
-        raise CompressError(
-            f"{path}: tensor {name} holds {bad} NaN or Inf values of {values.numel()}: the checkpoint is corrupt; re-download it or repair that tensor"
-        )
+    bad = int((~torch.isfinite(values)).sum())  # at least one: `all_finite` found it
+    raise CompressError(
+        f"{path}: tensor {name} holds {bad} NaN or Inf values of {values.numel()}: the checkpoint is corrupt; re-download it or repair that tensor"
+    )
 
 
 def _read_tensor(path: Path, data_start: int, entry: dict) -> torch.Tensor:

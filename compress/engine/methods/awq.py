@@ -57,9 +57,10 @@ class _LinearOutputError:
     error as the layers' outputs give, from one Gram matrix. Why: a candidate then costs ``out·in²`` multiplications
     instead of ``tokens·in·out`` (o_proj on 16k tokens: 28× fewer), and these groups were a quarter of the search."""
 
-    def __init__(self, calls, layers, ranks):
-        self.originals = [get_weight(m).detach().float().clone() for m in layers]  # a copy: folding changes them later
-        self.dtypes = [get_weight(m).dtype for m in layers]
+    def __init__(self, calls, originals: list[torch.Tensor], ranks):
+        """``originals``: the layers' weights ``[out, in]`` as they are (copies: folding changes the layers later)."""
+        self.dtypes = [w.dtype for w in originals]
+        self.originals = [w.float() for w in originals]
         width, device = self.originals[0].shape[1], self.originals[0].device
         self.gram = torch.zeros(width, width, dtype=torch.float64, device=device)  # an expert may get no token
         tokens = 0
@@ -182,7 +183,7 @@ class AWQ(InputQuantization, Method):
                         set_weight(module, w)
                     return _output_error(calls, run, replay.ranks)
             else:  # the layers themselves: their output error is a quadratic form of the weight change
-                loss = _LinearOutputError(calls, layers, replay.ranks)
+                loss = _LinearOutputError(calls, originals, replay.ranks)
 
             quantizers = [self.round_trip(selected[n]) if n in selected else None for n in group.layers]
             search = search_scales(x_mean.to(originals[0].device), originals, loss, config, quantizers)

@@ -12,6 +12,11 @@ from compress.engine.methods.awq import _LinearOutputError, _output_error
 from compress.engine.ranks import Ranks
 
 
+def _weights(layers):
+    """What the AWQ method hands over: copies of the layers' weights as ``[out, in]``, in their dtype."""
+    return [get_weight(m).detach().clone() for m in layers]
+
+
 def _forward_error(calls, layers, candidates) -> float:
     """The textbook form: mean squared difference of the layers' outputs under the candidates."""
     originals = [get_weight(m).detach().clone() for m in layers]
@@ -58,7 +63,7 @@ def test_gram_error_is_the_layers_output_error(kind):
     calls = _calls(width, [(2, 33), (1, 50)], g)
     if kind == "bfloat16":
         calls = [((a[0].bfloat16(),), k, r) for a, k, r in calls]
-    gram = _LinearOutputError(calls, layers, Ranks())
+    gram = _LinearOutputError(calls, _weights(layers), Ranks())
     for step in (0.0, 1e-3, 0.05):
         candidates = [get_weight(m).float() + step * torch.randn(get_weight(m).shape, generator=g) for m in layers]
         # bf16 outputs round their own difference: there the truth is float64 outputs of the bf16 weights as set
@@ -71,7 +76,7 @@ def test_gram_error_orders_close_candidates_as_the_outputs_do():
     g = torch.Generator().manual_seed(1)
     layer = nn.Linear(64, 32)
     calls = _calls(64, [(4, 64)], g)
-    gram = _LinearOutputError(calls, [layer], Ranks())
+    gram = _LinearOutputError(calls, _weights([layer]), Ranks())
     direction = torch.randn(32, 64, generator=g) * 1e-2
     candidates = [[layer.weight.detach() + direction * (1 + 0.01 * i)] for i in range(-3, 4)]
     by_gram = sorted(range(7), key=lambda i: gram(candidates[i]))
@@ -82,4 +87,4 @@ def test_gram_error_orders_close_candidates_as_the_outputs_do():
 def test_a_layer_without_calls_has_no_error():
     """An expert no calibration token was routed to."""
     layer = nn.Linear(16, 8)
-    assert _LinearOutputError([], [layer], Ranks())([layer.weight.detach() + 1]) == 0.0
+    assert _LinearOutputError([], _weights([layer]), Ranks())([layer.weight.detach() + 1]) == 0.0
