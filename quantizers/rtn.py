@@ -11,6 +11,10 @@ import torch
 
 from compress.quantizers.result import Grid, QuantResult
 
+# Weights per slice of rows on a grid whose rows are independent: each step's temporaries (a few MB) stay in the
+# cache and are reused by the allocator, where a whole 14336 x 4096 layer made six fresh 235 MB ones (0.44 -> 0.26 s).
+SLICE_ELEMENTS = 1 << 20
+
 
 def rtn(weight: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor = 1.0) -> QuantResult:
     """Quantize ``weight [out, in]`` to ``scheme`` by rounding to nearest. Does not modify ``weight``.
@@ -19,9 +23,23 @@ def rtn(weight: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor = 1.0) 
     clip to the extreme codes (AWQ's searched clipping)."""
     w = weight.float()
     scheme = scheme.fit(w)
-    scale, zero = scheme.qparams(w, shrink)
-    codes = scheme.quantize(w, scale, zero)
-    deq = scheme.dequantize(codes, scale, zero)
-    norm = torch.linalg.norm(w).item()
-    rel_err = torch.linalg.norm(w - deq).item() / norm if norm > 0 else 0.0
-    return QuantResult(deq, codes, scale, zero, scheme, stats={"weight_rel_error": rel_err})
+    rows = max(1, SLICE_ELEMENTS // max(w.shape[1], 1)) if scheme.rows_independent else w.shape[0]
+    out: list[torch.Tensor] = []  # weight, codes, scale, zero of all rows, allocated from the first slice's
+    energy = error = 0.0
+    for start in range(0, w.shape[0], rows):
+        part, stop = w[start : start + rows], min(start + rows, w.shape[0])
+        part_shrink = shrink[start:stop] if isinstance(shrink, torch.Tensor) and shrink.dim() > 0 else shrink
+        scale, zero = scheme.qparams(part, part_shrink)
+        codes = scheme.quantize(part, scale, zero)
+        deq = scheme.dequantize(codes, scale, zero)
+        energy += float(torch.linalg.vector_norm(part)) ** 2
+        error += float(torch.linalg.vector_norm(part - deq)) ** 2
+        if rows >= w.shape[0]:
+            out = [deq, codes, scale, zero]
+            break
+        if not out:
+            out = [t.new_empty((w.shape[0], *t.shape[1:])) for t in (deq, codes, scale, zero)]
+        for whole, piece in zip(out, (deq, codes, scale, zero)):
+            whole[start:stop] = piece
+    rel_err = (error / energy) ** 0.5 if energy > 0 else 0.0
+    return QuantResult(*out, scheme, stats={"weight_rel_error": rel_err})

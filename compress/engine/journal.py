@@ -32,7 +32,7 @@ import os
 import shutil
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -114,11 +114,16 @@ def _learners(engine) -> list:
 class BlockJournal:
     """The progress record of a run writing into ``directory`` (its temporary output directory)."""
 
-    def __init__(self, directory: Path, current: dict[str, Any]):
+    def __init__(self, directory: Path, current: Callable[[], dict[str, Any]]):
+        """``current``: the run's `fingerprint`, computed on first use (a fresh run needs it only for its first record)."""
         self.root = directory / PROGRESS
-        self.fingerprint = current
+        self._current = current
         self._cost = 0.0  # seconds the last record took to write (none yet: the first block is always recorded)
         self._since = time.perf_counter()  # when the last record was finished
+
+    @property
+    def fingerprint(self) -> dict[str, Any]:
+        return self._current()
 
     def restore(self, engine, writer) -> tuple[int, list, list[LayerReport]] | None:
         """(first unfinished block, its calibration inputs, the reports so far) from the record, with the

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 from dataclasses import asdict, dataclass, field
@@ -214,12 +215,13 @@ def run_stages(
         if not engine.needs_data:
             log.warning("no method in this recipe uses calibration data; it was checked but is unused")
     engine.check_calibration(calibration)
-    inputs = digests.result()
     # a plan file's layers, not only its path; the processes, each of which recorded its share of the inputs
     settings = {**_settings(recipe), "plans": [plan.to_dict() for _, plan in plans], "processes": ranks.world}
-    current = fingerprint(settings, inputs["model"], calibration)
+    # taken when first needed (a resumed run's check, the first progress record after block 0, the run's record),
+    # so hashing a large model's files goes on during the first block rather than before it
+    current = functools.cache(lambda: fingerprint(settings, digests.result()["model"], calibration))
     if recipe.resume:
-        output.resume = lambda directory: check_resumable(directory, current)
+        output.resume = lambda directory: check_resumable(directory, current())
     if not ranks.main:  # its share of the calibration and of the solves; the main rank writes, evaluates, exports
         with ranks:
             tmp = ranks.broadcast_object(None)  # the main rank's temporary directory, where each rank records its progress
@@ -239,7 +241,7 @@ def run_stages(
         writer.close()
         copy_side_files(recipe.model, tmp)
         write_layer_report(tmp, result.layers)
-        record = _record(recipe, command, [stage.method for stage in stages], inputs)
+        record = _record(recipe, command, [stage.method for stage in stages], digests.result())
         for index, plan in plans:
             record["stages"][index]["plan"] = plan.to_dict()
         if engine.packed:

@@ -100,3 +100,49 @@ def test_rtn_error_decreases_with_bits(sym):
 def test_rtn_rejects_non_dividing_group():
     with pytest.raises(ValueError):
         rtn(random_weight((2, 100), seed=0), QuantScheme(bits=4, group_size=32))
+
+
+@pytest.mark.parametrize("sym", [True, False])
+def test_rtn_in_row_slices_matches_reference(sym, monkeypatch):
+    """Large layers are rounded a few rows at a time (`SLICE_ELEMENTS`): 7 rows in slices of 2 give the
+    reference's grid and codes and the whole weight's error figure."""
+    from compress.quantizers import rtn as rtn_module
+
+    monkeypatch.setattr(rtn_module, "SLICE_ELEMENTS", 2 * 128)
+    w = random_weight((7, 128), seed=77) * 0.05
+    res = rtn(w, QuantScheme(bits=3, symmetric=sym, group_size=32))
+    ref_q, ref_s, ref_z, ref_deq, ratio = reference_grid(w.numpy(), 3, sym, 32)
+    np.testing.assert_allclose(res.scale.numpy(), ref_s, rtol=1e-6)
+    np.testing.assert_array_equal(res.zero.numpy(), ref_z)
+    assert_codes_match(res.codes.numpy(), ref_q, ratio, sym, 3)
+    w64 = w.numpy().astype(np.float64)
+    expected = np.linalg.norm(w64 - ref_deq) / np.linalg.norm(w64)
+    assert res.stats["weight_rel_error"] == pytest.approx(expected, rel=1e-4)
+
+
+def test_rtn_in_row_slices_keeps_per_tensor_scales_and_per_group_clipping(monkeypatch):
+    """NVFP4's global scale comes from the whole weight (compressed-tensors' fake quantization with it),
+    and a per-group shrink is sliced with its rows."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import generate_gparam
+
+    from compress.quantizers import rtn as rtn_module
+    from compress.quantizers.float_grid import FloatGrid, FloatScheme
+
+    monkeypatch.setattr(rtn_module, "SLICE_ELEMENTS", 3 * 64)
+    w = random_weight((8, 64), seed=78) * 0.05
+    w[6, 3] = 0.8  # the largest weight, in the last slice: the global scale must see it
+    res = rtn(w, FloatScheme(FloatGrid.NVFP4, 16))
+    args = QuantizationArgs(num_bits=4, type="float", strategy="tensor_group", group_size=16, symmetric=True,
+                            scale_dtype=torch.float8_e4m3fn)
+    expected = fake_quantize(w, res.scale, None, args, global_scale=generate_gparam(w.min(), w.max()))
+    assert res.scheme.global_scale == float(generate_gparam(w.min(), w.max()))
+    assert torch.equal(res.weight, expected)
+
+    shrink = torch.linspace(0.6, 1.0, 8 * 4).reshape(8, 4)
+    scheme = QuantScheme(bits=4, symmetric=True, group_size=16)
+    clipped = rtn(w, scheme, shrink)
+    absmax = w.reshape(8, 4, 16).abs().amax(-1) * shrink
+    np.testing.assert_allclose(clipped.scale.numpy(), (absmax / 7.5).numpy(), rtol=1e-6)
