@@ -135,6 +135,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         zero = W.new_empty(out_features, n_groups)
         group_of = [j // width for j in range(in_features)]
 
+    energy = proxy_loss(W, H)  # tr(W H Wᵀ): the dead columns of W are zero, H's permutation is W's
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H  # damped in place and no longer needed: free it before the column loop
 
@@ -152,6 +153,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
     # (indexing, views) cost as much as the arithmetic on layers of a few thousand rows.
     scale_rows, zero_rows = scale_t.unbind(0), zero_t.unbind(0)
     column = scheme.per_column()  # one column with its own grid
+    err_rows = torch.zeros(out_features, dtype=torch.float64, device=Wt.device)  # Σ err² per row: the damped error
     for i1 in range(0, in_features, config.block_size):
         i2 = min(i1 + config.block_size, in_features)
         W1 = Wt[i1:i2].clone()  # [B, out]: the block's columns
@@ -170,6 +172,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
                 torch.sub(w, deq, out=err).div_(pivots[i])
                 feed_error_(W1[i + 1 :], u[i + 1 :], err, scratch)
         Wt[i2:] -= U[i1:i2, i2:].t() @ Err1  # lazy batch update of all later columns
+        err_rows += Err1.square().sum(0, dtype=torch.float64)
     codes_t = column.stored_codes(rounded)
     Q, codes = Qt.t(), codes_t.t()
     scale, zero = scale_t.t().contiguous(), zero_t.t().contiguous()
@@ -186,7 +189,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         "lambda": lam,
         "damp_retries": retries,
         "dead_columns": int(dead.sum()),
-        **solver_figures(weight, Q, hessian),
+        **factored_figures(weight, Q, dead, lam, err_rows, energy),
     }
     return QuantResult(Q, codes, scale, zero, scheme, g_idx=g_idx, stats=stats)
 
@@ -211,6 +214,20 @@ def feed_error_(later: torch.Tensor, u: torch.Tensor, err: torch.Tensor, scratch
     bits: tests/compress/engine/methods/test_row_slices.py.)"""
     products = torch.mul(u.unsqueeze(1), err, out=scratch[: u.shape[0]])
     later.sub_(products)
+
+
+def factored_figures(weight: torch.Tensor, Q: torch.Tensor, dead: torch.Tensor, lam: float, err_rows: torch.Tensor,
+                     energy: float) -> dict[str, float]:
+    """`solver_figures` with one product by ``H`` fewer: the scaled errors ``E`` of GPTQ's columns satisfy
+    ``W − Q = E U`` (each column's final value is its original minus the errors fed back to it), so with
+    ``H + λI = U⁻¹U⁻ᵀ`` the damped error ``tr((W − Q)(H + λI)(W − Q)ᵀ) = ‖E‖²`` (``err_rows``: per row), and the
+    error with the caller's ``H`` is that minus ``λ‖W − Q‖²`` over the live columns (a dead column's row and column
+    of ``H`` are zero). Equal to `solver_figures` up to float32 rounding (tests/quantizers/test_gptq.py); sums per
+    row, then over rows in float64, as `proxy_loss`. ``energy``: ``tr(W H Wᵀ)``, taken before the damping."""
+    delta = weight.detach().float() - Q
+    delta[:, dead] = 0.0
+    error = float((err_rows - lam * delta.square().sum(1, dtype=torch.float64)).sum())
+    return {"error": error, "rel_error": error / energy if energy > 0 else 0.0, "energy": energy}
 
 
 def proxy_loss(delta: torch.Tensor, H: torch.Tensor) -> float:

@@ -130,6 +130,23 @@ def test_error_stats_independent(act_order):
     assert 0 < res.stats["rel_error"] < 0.1
 
 
+@pytest.mark.parametrize("case", ["dead-inputs", "damp-0.5", "8-bit", "nvfp4"])
+@pytest.mark.parametrize("act_order", [False, True])
+def test_error_stats_from_the_solve_are_the_proxy_error(case, act_order):
+    """The error figure comes from the solve's own scaled errors (``W − Q = E U``, so the damped error is ‖E‖²,
+    minus λ‖W − Q‖²): it must equal tr((W − Q) H (W − Q)ᵀ) in float64 where the damping is large, the error tiny
+    next to it (8 bits), inputs are dead (their weights are not zero but H's rows are), and on a float grid."""
+    from compress.quantizers.float_grid import FloatGrid, FloatScheme
+
+    w, h, x = correlated_layer(OUT, IN, TOKENS, seed=37)
+    if case == "dead-inputs":
+        w, h, _ = with_dead_inputs(seed=37)
+    scheme = {"8-bit": QuantScheme(bits=8, group_size=-1), "nvfp4": FloatScheme(FloatGrid.NVFP4, 16)}.get(case, QuantScheme(bits=3, group_size=32))
+    res = gptq(w, h, GPTQConfig(scheme, act_order=act_order, damp=0.5 if case == "damp-0.5" else 0.01))
+    assert res.stats["error"] == pytest.approx(proxy_error(w, res.weight, h), rel=1e-5)
+    assert res.stats["energy"] == pytest.approx(proxy_error(w, torch.zeros_like(w), h), rel=1e-6)
+
+
 def with_dead_inputs(seed: int):
     w, h, x = correlated_layer(OUT, IN, TOKENS, seed=seed)
     dead = [0, 5, 33, 64, 127]
