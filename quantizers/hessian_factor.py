@@ -25,6 +25,7 @@ from compress.quantizers.finite import all_finite
 from compress.quantizers.threads import one_thread
 
 BLOCK = 128  # rows per step: the diagonal blocks' factorizations are one-thread work, the products between them large
+PANEL = 1024  # columns per product of the trailing update, which skips the blocks above the diagonal (half its work)
 
 
 def upper_inverse_factor(H: torch.Tensor) -> torch.Tensor | None:
@@ -44,7 +45,9 @@ def upper_inverse_factor(H: torch.Tensor) -> torch.Tensor | None:
         if e < n:
             L21 = A[e:, k:e] @ inverses[-1].t()
             A[e:, k:e] = L21
-            A[e:, e:] -= L21 @ L21.t()
+            for j in range(e, n, PANEL):  # the trailing update on and below the diagonal only (nothing reads above)
+                j2 = min(j + PANEL, n)
+                A[j:, j:j2] -= L21[j - e :] @ L21[j - e : j2 - e].t()
     L = A.tril_()
     X = torch.eye(n, dtype=H.dtype, device=H.device)  # solves L X = I block row by block row, in place: X = L⁻¹
     for inverse, k in zip(inverses, range(0, n, BLOCK)):
