@@ -172,7 +172,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
                 torch.sub(w, deq, out=err).div_(pivots[i])
                 feed_error_(W1[i + 1 :], u[i + 1 :], err, scratch)
         Wt[i2:] -= U[i1:i2, i2:].t() @ Err1  # lazy batch update of all later columns
-        err_rows += Err1.square().sum(0, dtype=torch.float64)
+        err_rows += Err1.square().sum(0)  # float32 over the block's columns, float64 across blocks
     codes_t = column.stored_codes(rounded)
     Q, codes = Qt.t(), codes_t.t()
     scale, zero = scale_t.t().contiguous(), zero_t.t().contiguous()
@@ -225,8 +225,9 @@ def factored_figures(weight: torch.Tensor, Q: torch.Tensor, dead: torch.Tensor, 
     of ``H`` are zero). Equal to `solver_figures` up to float32 rounding (tests/quantizers/test_gptq.py); sums per
     row, then over rows in float64, as `proxy_loss`. ``energy``: ``tr(W H Wᵀ)``, taken before the damping."""
     delta = weight.detach().float() - Q
-    delta[:, dead] = 0.0
-    error = float((err_rows - lam * delta.square().sum(1, dtype=torch.float64)).sum())
+    if dead.any():
+        delta[:, dead] = 0.0
+    error = float((err_rows - lam * delta.square_().sum(1).double()).sum())
     return {"error": error, "rel_error": error / energy if energy > 0 else 0.0, "energy": energy}
 
 
