@@ -130,7 +130,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
                     column.round_column(torch.where(masked, 0.0, w), scale_rows[g], zero_rows[g], codes, q)
                 torch.sub(w, q, out=err).div_(pivots[i])
                 feed_error_(W1[i + 1 :], u[i + 1 :], err, scratch)
-        Wt[i2:] -= U[i1:i2, i2:].t() @ Err1  # lazy batch update of all later columns
+        Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)  # lazy batch update of all later columns (no temporary)
     Q, pruned = Qt.t().contiguous(), pruned_t.t().contiguous()
     if scheme is not None:
         codes, scale, zero = column.stored_codes(rounded).t().contiguous(), scale_t.t().contiguous(), zero_t.t().contiguous()

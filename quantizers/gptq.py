@@ -171,7 +171,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
                 column.round_column(w, scale_rows[g], zero_rows[g], codes, deq)
                 torch.sub(w, deq, out=err).div_(pivots[i])
                 feed_error_(W1[i + 1 :], u[i + 1 :], err, scratch)
-        Wt[i2:] -= U[i1:i2, i2:].t() @ Err1  # lazy batch update of all later columns
+        Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)  # lazy batch update of all later columns (no temporary)
         err_rows += Err1.square().sum(0)  # float32 over the block's columns, float64 across blocks
     codes_t = column.stored_codes(rounded)
     Q, codes = Qt.t(), codes_t.t()
