@@ -26,7 +26,7 @@ def rtn(weight: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor = 1.0) 
     rows = max(1, SLICE_ELEMENTS // max(w.shape[1], 1)) if scheme.rows_independent else w.shape[0]
     out: list[torch.Tensor] = []  # weight, codes, scale, zero of all rows, allocated from the first slice's
     energy = error = 0.0
-    for start in range(0, w.shape[0], rows):
+    for start in range(0, max(w.shape[0], 1), rows):  # an empty weight: one empty slice
         part, stop = w[start : start + rows], min(start + rows, w.shape[0])
         part_shrink = shrink[start:stop] if isinstance(shrink, torch.Tensor) and shrink.dim() > 0 else shrink
         scale, zero = scheme.qparams(part, part_shrink)

@@ -146,3 +146,9 @@ def test_rtn_in_row_slices_keeps_per_tensor_scales_and_per_group_clipping(monkey
     clipped = rtn(w, scheme, shrink)
     absmax = w.reshape(8, 4, 16).abs().amax(-1) * shrink
     np.testing.assert_allclose(clipped.scale.numpy(), (absmax / 7.5).numpy(), rtol=1e-6)
+
+
+def test_rtn_of_a_weight_without_rows():
+    res = rtn(torch.zeros(0, 64), QuantScheme(bits=4, group_size=32))
+    assert res.weight.shape == res.codes.shape == (0, 64) and res.scale.shape == (0, 2)
+    assert res.stats["weight_rel_error"] == 0.0

@@ -68,7 +68,7 @@ class _LinearOutputError:
             rows = args[0].reshape(-1, width).float()
             add_upper_gram_(self.gram, rows)
             tokens += rows.shape[0]
-        self.gram = symmetric_from_upper(self.gram).float()
+        self.gram = symmetric_from_upper(self.gram, dtype=torch.float32)
         self.count = tokens * sum(w.shape[0] for w in self.originals)
         self.ranks = ranks
 
