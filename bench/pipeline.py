@@ -25,6 +25,7 @@ compresses a copy of the model truncated to its first N blocks (what the figures
 8 key-value heads of 128, MLP 14336, vocabulary 128,256, bf16, ``--blocks`` of them, 4 by default), with the reference
 model's tokenizer: the blocks' work at the size users run, where the fixed costs (imports, the outer tensors) no
 longer dominate. It is written once under ``~/.cache/llm-compress`` (3.8 GB for 4 blocks) and reused.
+Every written page is flushed to the disk before each tool's timed run (`quiet_disk`).
 """
 
 from __future__ import annotations
