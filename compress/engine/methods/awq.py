@@ -21,7 +21,7 @@ from compress.checkpoints.model_io import get_weight, set_weight
 from compress.quantizers.awq import AWQConfig, search_clip, search_scales
 from compress.quantizers.rtn import rtn
 from compress.engine.registry import register_method
-from compress.engine.statistics import CallRecorder, Stat, add_upper_gram_, symmetric_from_upper
+from compress.engine.statistics import CallRecorder, GramScratch, Stat, add_upper_gram_, symmetric_from_upper
 
 
 class AWQMethodConfig(GridQuantConfig):
@@ -63,10 +63,10 @@ class _LinearOutputError:
         self.originals = [w.float() for w in originals]
         width, device = self.originals[0].shape[1], self.originals[0].device
         self.gram = torch.zeros(width, width, dtype=torch.float64, device=device)  # an expert may get no token
-        tokens = 0
+        tokens, scratch = 0, GramScratch()
         for args, _, _ in calls:
             rows = args[0].reshape(-1, width).float()
-            add_upper_gram_(self.gram, rows)
+            add_upper_gram_(self.gram, rows, scratch)
             tokens += rows.shape[0]
         self.gram = symmetric_from_upper(self.gram, dtype=torch.float32)
         self.count = tokens * sum(w.shape[0] for w in self.originals)
