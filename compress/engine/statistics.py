@@ -103,6 +103,11 @@ class InputStatistics:
         if self.absmax is not None:
             ranks.max_(self.absmax)
 
+    def release(self) -> None:
+        """Drop the sums and buffers (after `result`): no further `update` or `result`."""
+        self.outer_sum = self.sq_sum = self.absmax = self.abs_sum = self.drift_sum = None
+        self._scratch = GramScratch()
+
     def result(self) -> dict[Stat, torch.Tensor]:
         """Each needed statistic, float32; ``H = 2/n Σ x xᵀ`` (zeros before any token)."""
         n = max(self.count, 1)
@@ -274,13 +279,17 @@ class StatsCollector(AbstractContextManager):
             stats.combine(ranks)
 
     def results(self) -> dict[str, dict[Stat, torch.Tensor]]:
-        """Each layer's statistics; layers sharing an input get equal but separate tensors (computed once, copied)."""
+        """Each layer's statistics; layers sharing an input get equal but separate tensors (computed once, copied).
+        Taken once: the float64 sums are released after (with their buffers, 1.9 GB for a 14336-wide layer, which
+        would otherwise be held while the group is solved)."""
         done: dict[int, dict[Stat, torch.Tensor]] = {}
         out = {}
         for name, stats in self.stats.items():
             first = done.get(id(stats))
             out[name] = {k: v.clone() for k, v in first.items()} if first is not None else stats.result()
             done.setdefault(id(stats), out[name])
+        for stats in {id(s): s for s in self.stats.values()}.values():
+            stats.release()
         return out
 
 
