@@ -286,10 +286,11 @@ class StatsCollector(AbstractContextManager):
         out = {}
         for name, stats in self.stats.items():
             first = done.get(id(stats))
-            out[name] = {k: v.clone() for k, v in first.items()} if first is not None else stats.result()
-            done.setdefault(id(stats), out[name])
-        for stats in {id(s): s for s in self.stats.values()}.values():
-            stats.release()
+            if first is None:  # followers copy this result, not the released sums
+                first = done[id(stats)] = out[name] = stats.result()
+                stats.release()
+            else:
+                out[name] = {k: v.clone() for k, v in first.items()}
         return out
 
 
