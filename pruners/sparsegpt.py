@@ -39,7 +39,7 @@ import torch
 from compress.pruners.masks import NM, Pattern, prune_lowest_nm, prune_lowest_per_row
 from compress.pruners.result import PruneResult
 from compress.quantizers.grid import QuantScheme, compute_qparams
-from compress.quantizers.gptq import check_solver_settings, columns_as_now, feed_error_, solver_figures, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, columns_as_now, factored_figures, feed_error_, proxy_loss, solver_inputs
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.result import QuantResult
 from compress.quantizers.threads import one_thread
@@ -90,6 +90,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
         scale_rows, zero_rows = scale_t.unbind(0), zero_t.unbind(0)
         column = QuantScheme(scheme.bits, scheme.symmetric, -1)
 
+    energy = proxy_loss(W, H)  # tr(W H Wᵀ) before the damping (dead columns of W are zero)
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H  # damped in place and no longer needed
 
@@ -99,6 +100,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
     Qt = torch.empty_like(Wt)
     rounded = torch.empty_like(Wt) if scheme is not None else None  # joint mode: the grid's column codes
     pruned_t = torch.empty_like(Wt, dtype=torch.bool)
+    err_rows = torch.zeros(out_features, dtype=torch.float64, device=Wt.device)  # Σ err² per row (as GPTQ's)
     for i1 in range(0, in_features, config.block_size):
         i2 = min(i1 + config.block_size, in_features)
         W1 = Wt[i1:i2].clone()  # [B, out]
@@ -131,6 +133,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
                 torch.sub(w, q, out=err).div_(pivots[i])
                 feed_error_(W1[i + 1 :], u[i + 1 :], err, scratch)
         Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)  # lazy batch update of all later columns (no temporary)
+        err_rows += Err1.square().sum(0)
     Q, pruned = Qt.t().contiguous(), pruned_t.t().contiguous()
     if scheme is not None:
         codes, scale, zero = column.stored_codes(rounded).t().contiguous(), scale_t.t().contiguous(), zero_t.t().contiguous()
@@ -141,7 +144,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
         "lambda": lam,
         "damp_retries": retries,
         "dead_columns": int(dead.sum()),
-        **solver_figures(weight, Q, hessian),
+        **factored_figures(weight, Q, dead, lam, err_rows, energy),  # a pruned weight's error is fed back as a rounded one's
     }
     quant = QuantResult(Q, codes, scale, zero, scheme) if scheme is not None else None
     return PruneResult(Q, pruned, quant, stats)

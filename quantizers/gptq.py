@@ -218,12 +218,15 @@ def feed_error_(later: torch.Tensor, u: torch.Tensor, err: torch.Tensor, scratch
 
 def factored_figures(weight: torch.Tensor, Q: torch.Tensor, dead: torch.Tensor, lam: float, err_rows: torch.Tensor,
                      energy: float) -> dict[str, float]:
-    """`solver_figures` with one product by ``H`` fewer: the scaled errors ``E`` of GPTQ's columns satisfy
-    ``W − Q = E U`` (each column's final value is its original minus the errors fed back to it), so with
-    ``H + λI = U⁻¹U⁻ᵀ`` the damped error ``tr((W − Q)(H + λI)(W − Q)ᵀ) = ‖E‖²`` (``err_rows``: per row), and the
-    error with the caller's ``H`` is that minus ``λ‖W − Q‖²`` over the live columns (a dead column's row and column
-    of ``H`` are zero). Equal to `solver_figures` up to float32 rounding (tests/quantizers/test_gptq.py); sums per
-    row, then over rows in float64, as `proxy_loss`. ``energy``: ``tr(W H Wᵀ)``, taken before the damping."""
+    """A second-order solver's proxy figures (GPTQ, SparseGPT) with the caller's undamped ``H``: ``error`` =
+    tr((W − Q) H (W − Q)ᵀ), i.e. (2/n)‖(W − Q)X‖² for H = 2/n X Xᵀ, ``energy`` = tr(W H Wᵀ) (given: one product,
+    taken before the damping) and their ratio ``rel_error``. The error needs no product by ``H``: the scaled
+    column errors ``E`` of the solve satisfy ``W − Q = E U`` (each column's final value is its original minus the
+    errors fed back to it), so with ``H + λI = U⁻¹U⁻ᵀ`` the damped error is ``‖E‖²`` (``err_rows``: per row), and
+    the undamped one that minus ``λ‖W − Q‖²`` over the live columns (a dead column's row and column of ``H`` are
+    zero). Equal to the float64 definition up to float32 rounding (tests/quantizers/test_gptq.py,
+    tests/pruners/test_sparsegpt.py). Sums per row, then over rows in float64, as `proxy_loss`, so the figures of a
+    layer's row slices add up to the layer's."""
     delta = weight.detach().float() - Q
     if dead.any():
         delta[:, dead] = 0.0
@@ -235,15 +238,6 @@ def proxy_loss(delta: torch.Tensor, H: torch.Tensor) -> float:
     """``tr(Δ H Δᵀ)`` for ``Δ [out, in]``: summed per row, then over rows in float64, so that the figure does
     not depend on the thread count (a whole-tensor sum is split across threads and rounds differently)."""
     return float(((delta @ H) * delta).sum(dim=1).double().sum())
-
-
-def solver_figures(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> dict[str, float]:
-    """A second-order solver's proxy figures with the caller's (undamped) Hessian: ``error`` = tr((W − Q) H (W − Q)ᵀ),
-    i.e. (2/n)‖(W − Q)X‖² for H = 2/n X Xᵀ, ``energy`` = tr(W H Wᵀ) and their ratio ``rel_error``. Error and
-    energy are sums over rows, so the figures of a layer's row slices add up to the layer's."""
-    W, H = weight.detach().float(), hessian.detach().float()
-    energy, error = proxy_loss(W, H), proxy_loss(W - quantized.float(), H)
-    return {"error": error, "rel_error": error / energy if energy > 0 else 0.0, "energy": energy}
 
 
 def layer_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> tuple[float, float]:

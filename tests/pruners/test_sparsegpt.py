@@ -89,6 +89,23 @@ def test_error_stats_independent():
 
 
 @pytest.mark.parametrize("pattern", [Unstructured(0.5), NM(2, 4)], ids=str)
+@pytest.mark.parametrize("scheme", [None, QuantScheme(4, True, 32)], ids=str)
+@pytest.mark.parametrize("case", ["plain", "dead-inputs", "damp-0.5"])
+def test_error_stats_from_the_solve_are_the_proxy_error(pattern, scheme, case):
+    """The figures come from the solve's scaled errors (as GPTQ's): they must equal tr((W − Ŵ) H (W − Ŵ)ᵀ) and
+    tr(W H Wᵀ) in float64, with pruned and rounded columns, dead inputs (weights not zero, H's rows zero) and heavy
+    damping."""
+    w, h, x = correlated_layer(OUT, IN, TOKENS, seed=9)
+    if case == "dead-inputs":
+        x[[0, 7, 40]] = 0.0
+        h = 2.0 / TOKENS * (x @ x.T)
+    res = sparsegpt(w, h, SparseGPTConfig(pattern, scheme=scheme, damp=0.5 if case == "damp-0.5" else 0.01))
+    d, h64, w64 = (w - res.weight).double(), h.double(), w.double()
+    assert res.stats["error"] == pytest.approx(float(torch.einsum("oi,ij,oj->", d, h64, d)), rel=1e-5)
+    assert res.stats["energy"] == pytest.approx(float(torch.einsum("oi,ij,oj->", w64, h64, w64)), rel=1e-6)
+
+
+@pytest.mark.parametrize("pattern", [Unstructured(0.5), NM(2, 4)], ids=str)
 @pytest.mark.parametrize("scheme", [QuantScheme(4, True, 32), QuantScheme(3, False, -1)], ids=str)
 def test_joint_mode_kept_on_grid_pruned_zero(pattern, scheme):
     w, h, _ = correlated_layer(OUT, IN, TOKENS, seed=7)
