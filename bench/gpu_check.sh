@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU checks, as one script for a lent GPU machine (no network; its python3 holds torch + triton):
 #   1. the kernels on the real GPU against their torch references (tests/kernels/test_on_cuda.py)
-#   2. bench/kernels.py: W4A16 GEMM vs bf16 matmul on 7B/8B shapes, the CUDA C++ dequant checked, GGUF dequant
+#   2. bench/kernel_speed.py: W4A16 GEMM vs bf16 matmul on 7B/8B shapes, the CUDA C++ dequant checked, GGUF dequant
 #   3. bench/gptq_speed.py on CUDA beside the textbook reference (GPTQ_SPEED=1)
 #   4. an end-to-end GPTQ run of the reference model with --device cuda, evaluated through the kernels
 #   5. bench/pipeline.py on cuda: GPTQ and RTN of a random Llama-3-8B-shaped model's first 4 blocks, and of SmolLM2's
@@ -30,8 +30,8 @@ timeout 180 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_on_cuda.
 fi
 
 if want kernels; then
-step "bench/kernels.py --cuda-ext"
-timeout 150 python3 bench/kernels.py --cuda-ext 2>&1 | tee "$OUT/kernels.md"
+step "bench/kernel_speed.py --cuda-ext"
+timeout 150 python3 bench/kernel_speed.py --cuda-ext 2>&1 | tee "$OUT/kernels.md"
 fi
 
 if [ "${GPTQ_SPEED:-0}" = 1 ] && want gptq; then

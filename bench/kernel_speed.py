@@ -1,6 +1,6 @@
 """Int4 dequant kernels on a GPU: W4A16 GEMM time next to a bf16 ``torch.matmul``, and weight bandwidth.
 
-    python bench/kernels.py [--layout pack-quantized|gptq] [--group-size 128] [--batches 1 4 16 64 256] [--cuda-ext]
+    python bench/kernel_speed.py [--layout pack-quantized|gptq] [--group-size 128] [--batches 1 4 16 64 256] [--cuda-ext]
 
 For the linear shapes of a 7B/8B Llama (out×in: 4096×4096, 11008×4096, 4096×11008, 14336×4096,
 4096×14336) and each batch: time of ``triton_int.matmul`` (fused dequant-GEMM up to batch 16, dequantize +
@@ -148,7 +148,7 @@ def main() -> None:
     parser.add_argument("--skip-gguf", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU (Triton kernels); none found: nothing to measure.")
+        print("bench/kernel_speed.py needs a CUDA GPU (Triton kernels); none found: nothing to measure.")
         sys.exit(0)
     from compress.kernels import triton_int
 
