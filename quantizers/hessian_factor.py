@@ -9,8 +9,9 @@ relative on random 576–2048 wide Hessians).
 
 Both steps run in blocks of `BLOCK` rows: each diagonal block is factored and inverted on one thread, and all
 the rest is matrix products whose inner dimension is one block. torch's float32 Cholesky (MKL) rounds differently
-with 1 and 2 threads, which made GPTQ's codes depend on the machine's core count; a product whose inner dimension
-is one block is split over threads by rows and columns, never along the sum, so this factor is the same bit for bit
+with 1 and 2 threads, which made GPTQ's codes depend on the machine's core count; the products are cut into tiles
+fixed by their shapes alone, each computed on one thread (`threads.FixedTileProducts`: MKL's own threaded product
+summed the edges of each thread's share in another order on some CPUs), so this factor is the same bit for bit
 whatever the thread count (tested with 1–4 threads, `tests/quantizers/test_hessian_factor.py`), while using them:
 1536 wide, 108 ms for the one-thread reference, 43 ms here on one thread and 22 ms on two.
 
@@ -22,7 +23,7 @@ from __future__ import annotations
 import torch
 
 from compress.quantizers.finite import all_finite
-from compress.quantizers.threads import one_thread
+from compress.quantizers.threads import FixedTileProducts
 
 BLOCK = 128  # rows per step: the diagonal blocks' factorizations are one-thread work, the products between them large
 PANEL = 1024  # columns per product of the trailing update, which skips the blocks above the diagonal (half its work)
@@ -32,30 +33,49 @@ def upper_inverse_factor(H: torch.Tensor) -> torch.Tensor | None:
     """``U`` upper triangular with ``UᵀU = H⁻¹`` (module docstring); None if ``H`` is not positive definite."""
     n = H.shape[0]
     A = H.flip(0, 1)  # J H J, a copy: becomes L in its lower triangle
-    eye = torch.eye(min(BLOCK, n), dtype=H.dtype, device=H.device)
-    inverses = []  # L_kk⁻¹ of each diagonal block
-    for k in range(0, n, BLOCK):  # right-looking blocked Cholesky
+    # the products (and the one-thread work) in `FixedTileProducts`; whole-matrix elementwise steps outside it keep
+    # torch's threads
+    with FixedTileProducts(H.device) as product:
+        inverses = _lower_cholesky_(A, product)
+    if inverses is None:
+        return None
+    L = A.tril_()
+    X = torch.eye(n, dtype=H.dtype, device=H.device)
+    with FixedTileProducts(H.device) as product:
+        _lower_inverse_(X, L, inverses, product)
+    return X.flip(0, 1)
+
+
+def _lower_cholesky_(A: torch.Tensor, product: FixedTileProducts) -> list[torch.Tensor] | None:
+    """Right-looking blocked Cholesky in place: ``A``'s lower triangle becomes L (above it is left stale). Returns
+    each diagonal block's inverse ``L_kk⁻¹``, or None if ``A`` is not positive definite."""
+    n = A.shape[0]
+    eye = torch.eye(min(BLOCK, n), dtype=A.dtype, device=A.device)
+    inverses = []
+    for k in range(0, n, BLOCK):
         e = min(k + BLOCK, n)
-        with one_thread(H.device):
-            L11, info = torch.linalg.cholesky_ex(A[k:e, k:e])
-            if info.item() != 0:
-                return None
-            inverses.append(torch.linalg.solve_triangular(L11, eye[: e - k, : e - k], upper=False))
+        L11, info = torch.linalg.cholesky_ex(A[k:e, k:e])
+        if info.item() != 0:
+            return None
+        inverses.append(torch.linalg.solve_triangular(L11, eye[: e - k, : e - k], upper=False))
         A[k:e, k:e] = L11
         if e < n:
-            L21 = A[e:, k:e] @ inverses[-1].t()
+            L21 = product(A[e:, k:e], inverses[-1].t())
             A[e:, k:e] = L21
             for j in range(e, n, PANEL):  # the trailing update on and below the diagonal only (nothing reads above)
                 j2 = min(j + PANEL, n)
-                A[j:, j:j2] -= L21[j - e :] @ L21[j - e : j2 - e].t()
-    L = A.tril_()
-    X = torch.eye(n, dtype=H.dtype, device=H.device)  # solves L X = I block row by block row, in place: X = L⁻¹
+                product(L21[j - e :], L21[j - e : j2 - e].t(), into=A[j:, j:j2], subtract=True)
+    return inverses
+
+
+def _lower_inverse_(X: torch.Tensor, L: torch.Tensor, inverses: list[torch.Tensor], product: FixedTileProducts) -> None:
+    """Solves ``L X = I`` block row by block row, in place (``X`` starts as the identity): ``X = L⁻¹``."""
+    n = X.shape[0]
     for inverse, k in zip(inverses, range(0, n, BLOCK)):
         e = min(k + BLOCK, n)
-        X[k:e, :e] = inverse @ X[k:e, :e]
+        X[k:e, :e] = product(inverse, X[k:e, :e])
         if e < n:
-            X[e:, :e] -= L[e:, k:e] @ X[k:e, :e]
-    return X.flip(0, 1)
+            product(L[e:, k:e], X[k:e, :e], into=X[e:, :e], subtract=True)
 
 
 def inverse_hessian_factor(H: torch.Tensor, damp: float, max_retries: int) -> tuple[torch.Tensor, float, float, int]:
