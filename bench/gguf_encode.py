@@ -25,7 +25,8 @@ from compress.formats.gguf.plan import FILE_TYPE, PRESETS, Target
 from compress.formats.gguf.sizes import GGMLType
 
 REPO = Path(__file__).resolve().parents[1]
-KINDS = {"q8_0": GGMLType.Q8_0, "q4_k": GGMLType.Q4_K, "q6_k": GGMLType.Q6_K, "q5_k": GGMLType.Q5_K, "q3_k": GGMLType.Q3_K, "q2_k": GGMLType.Q2_K}
+KINDS = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q4_1": GGMLType.Q4_1, "q5_0": GGMLType.Q5_0, "q5_1": GGMLType.Q5_1,
+         "q4_k": GGMLType.Q4_K, "q6_k": GGMLType.Q6_K, "q5_k": GGMLType.Q5_K, "q3_k": GGMLType.Q3_K, "q2_k": GGMLType.Q2_K}
 
 
 def f16_matrices(path: Path) -> list[tuple[str, np.ndarray]]:

@@ -28,7 +28,9 @@ def fit_grid(blocks: np.ndarray, nmax: int = 8) -> np.ndarray:
 def round_codes(blocks: np.ndarray, d: np.ndarray, nmax: int = 8) -> np.ndarray:
     """Codes in [0, 2·nmax − 1] for a given per-block scale (ggml rounds with the unrounded d)."""
     scaled = as_torch(blocks) * torch.from_numpy(safe_reciprocal(d))
-    return scaled.add_(F32(nmax + 0.5)).trunc_().clamp_(0, 2 * nmax - 1).to(torch.uint8).numpy()
+    # ggml's (int8_t) cast truncates; floor is the same wherever the clamp to 0 leaves the value (and runs ~7x
+    # faster: torch's trunc is not vectorised on CPU)
+    return scaled.add_(F32(nmax + 0.5)).floor_().clamp_(0, 2 * nmax - 1).to(torch.uint8).numpy()
 
 
 def weighted_fit(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray, nmax: int = 8) -> tuple[np.ndarray, np.ndarray]:

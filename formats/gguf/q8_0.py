@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, safe_reciprocal
+from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, round_half_away_, safe_reciprocal
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q8_0
@@ -24,11 +24,8 @@ def fit_grid(blocks: np.ndarray) -> np.ndarray:
 
 
 def round_codes(blocks: np.ndarray, d: np.ndarray) -> np.ndarray:
-    # C's roundf (half away from zero) as trunc(v) + trunc(2·frac(v)) (all exact in float32);
-    # floor(|v| + 0.5) would misround 0.49999997 up to 1.
     scaled = torch.from_numpy(np.ascontiguousarray(blocks, dtype=F32)) * torch.from_numpy(safe_reciprocal(d))
-    whole = scaled.trunc()
-    return scaled.sub_(whole).mul_(2).trunc_().add_(whole).to(torch.int8).numpy()
+    return round_half_away_(scaled).to(torch.int8).numpy()
 
 
 def pack(d: np.ndarray, codes: np.ndarray) -> np.ndarray:
