@@ -46,13 +46,21 @@ TILE_ROWS, TILE_COLUMNS = 128, 1024
 SMALL_PRODUCT = 1 << 23  # multiply-adds below which handing tiles to other threads costs more than it saves
 
 
+def one_thread_workers(count: int) -> ThreadPoolExecutor:
+    """A pool of ``count`` threads whose torch operations run on one thread each. A new thread starts with OpenMP's
+    default team (every core), whatever ``torch.set_num_threads`` said in the thread that made it, so without this
+    each worker's operations would fork onto every core again (measured on the factor's products: 2 workers ran no
+    faster than 1)."""
+    return ThreadPoolExecutor(max_workers=max(1, count), initializer=torch.set_num_threads, initargs=(1,))
+
+
 class FixedTileProducts:
     """Matrix products with the same bits whatever the thread count, still using the threads.
 
     ``with FixedTileProducts(device) as product: c = product(a, b)``: ``a @ b`` (``[m, k] @ [k, n]``) with the output
     cut into tiles of `TILE_ROWS` x `TILE_COLUMNS` that depend on the shapes alone, each tile one product on one
     thread; a large product's tiles are shared, in runs of consecutive tiles, between this thread and helper threads
-    (as many as torch's thread count, less one), started at the first such product. Inside, torch runs on one thread
+    (`one_thread_workers`, as many as torch's thread count less one), started at the first such product. Inside, torch runs on one thread
     (`one_thread`: it must not split a tile again, and switching its thread count per product costs more than a
     small product), so ``product(a, b, into=t)`` and ``product(a, b, into=t, subtract=True)`` write or subtract the
     product into ``t`` tile by tile on the same threads. On a GPU it is the plain product."""
@@ -93,9 +101,7 @@ class FixedTileProducts:
             run(tiles)
             return out
         if self._pool is None:
-            # a new thread starts with OpenMP's default team (every core), whatever this thread set: each helper
-            # sets its own, or its products would fork onto every core again (measured: 2 workers no faster than 1)
-            self._pool = ThreadPoolExecutor(self.workers - 1, initializer=torch.set_num_threads, initargs=(1,))
+            self._pool = one_thread_workers(self.workers - 1)
         share = -(-len(tiles) // workers)
         helped = [self._pool.submit(run, tiles[i : i + share]) for i in range(share, len(tiles), share)]
         run(tiles[:share])

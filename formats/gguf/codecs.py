@@ -10,7 +10,6 @@ solvers' temporaries.
 from __future__ import annotations
 
 import os
-from concurrent.futures import ThreadPoolExecutor
 from types import ModuleType
 from typing import Callable
 
@@ -21,7 +20,7 @@ from compress.errors import CompressError
 from compress.formats.gguf._common import mean_square
 from compress.formats.gguf import bf16, f16, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs, iq4_nl, iq4_xs, q2_k, q3_k, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
-from compress.quantizers.threads import one_thread
+from compress.quantizers.threads import one_thread, one_thread_workers
 
 CODECS: dict[GGMLType, ModuleType] = {
     m.KIND: m for m in (f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, iq3_s, iq3_xxs, iq2_xxs, iq2_xs, iq2_s)
@@ -117,13 +116,14 @@ def in_chunks(n: int, block: int, work: Callable[[slice], None]) -> None:
     step = max(1, (POOL_CHUNK_ELEMENTS if workers > 1 else CHUNK_ELEMENTS) // block)
     parts = [slice(start, start + step) for start in range(0, n, step)]
     # torch's intra-op threads off: the chunks already run on a pool, and torch splitting each small op over
-    # its threads too only added fork/join overhead (Q8_0 1.7x slower with 2 torch threads in each of 2 workers)
+    # its threads too only added fork/join overhead (Q8_0 1.7x slower with 2 torch threads in each of 2 workers);
+    # the workers set it for themselves (`one_thread_workers`): a new thread starts with OpenMP's default team
     with one_thread(torch.device("cpu")):
         if workers <= 1:
             for part in parts:
                 work(part)
         else:
-            with ThreadPoolExecutor(max_workers=workers) as pool:
+            with one_thread_workers(workers) as pool:
                 list(pool.map(work, parts))
 
 
