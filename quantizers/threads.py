@@ -1,4 +1,5 @@
-"""`one_thread()`: run a loop of small tensor operations, or a factorization, without intra-op threads.
+"""`one_thread()`: run a loop of small tensor operations, or a factorization, without intra-op threads; and
+`FixedTileProducts`, matrix products whose bits do not depend on the thread count, on `one_thread_workers`.
 
 GPTQ's and SparseGPT's column loops apply ~10 operations of a few thousand elements per column. torch splits
 each over its thread pool, and the fork/join per operation costs more than the arithmetic: measured on this
@@ -37,7 +38,6 @@ def one_thread(device: torch.device) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
 
 
 # A tile of `FixedTileProducts`: large enough that one thread runs it at full speed (a [128, 128] x [128, 1024]
