@@ -13,7 +13,8 @@ with 1 and 2 threads, which made GPTQ's codes depend on the machine's core count
 fixed by their shapes alone, each computed on one thread (`threads.FixedTileProducts`: MKL's own threaded product
 summed the edges of each thread's share in another order on some CPUs), so this factor is the same bit for bit
 whatever the thread count (tested with 1–4 threads, `tests/quantizers/test_hessian_factor.py`), while using them:
-1536 wide, 108 ms for the one-thread reference, 43 ms here on one thread and 22 ms on two.
+1536 wide, 108 ms for the one-thread reference, 43 ms here on one thread and 22 ms on two (stop 36's machine, MKL's
+own threaded products; with the fixed tiles on stop 39's slower CPU 55–64 ms on two, where MKL's took 38–46).
 
 Shapes: ``H [n, n]`` symmetric positive definite; ``U [n, n]``.
 """

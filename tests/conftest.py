@@ -9,7 +9,7 @@ from pathlib import Path
 # and other tests (compressed-tensors, transformers) may import it before tests/kernels is reached.
 os.environ.setdefault("TRITON_INTERPRET", "1")
 
-import compress  # noqa: E402,F401  first: it takes the checkout's root off sys.path (see compress/__init__.py)
+import compress  # noqa: E402,F401  first: it moves the checkout's root to the end of sys.path (compress/__init__.py)
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
