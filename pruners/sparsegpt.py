@@ -39,7 +39,7 @@ import torch
 from compress.pruners.masks import NM, Pattern, prune_lowest_nm, prune_lowest_per_row
 from compress.pruners.result import PruneResult
 from compress.quantizers.grid import QuantScheme, compute_qparams
-from compress.quantizers.gptq import check_solver_settings, columns_as_now, factored_figures, feed_error_, proxy_loss, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, columns_as_now, factored_figures, feed_error_, proxy_loss_rows, solver_inputs
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.result import QuantResult
 from compress.quantizers.threads import one_thread
@@ -90,7 +90,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
         scale_rows, zero_rows = scale_t.unbind(0), zero_t.unbind(0)
         column = QuantScheme(scheme.bits, scheme.symmetric, -1)
 
-    energy = proxy_loss(W, H)  # tr(W H Wᵀ) before the damping (dead columns of W are zero)
+    energy_rows = proxy_loss_rows(W, H)  # tr(W H Wᵀ) by row, before the damping (dead columns of W are zero)
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H  # damped in place and no longer needed
 
@@ -144,7 +144,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
         "lambda": lam,
         "damp_retries": retries,
         "dead_columns": int(dead.sum()),
-        **factored_figures(weight, Q, dead, lam, err_rows, energy),  # a pruned weight's error is fed back as a rounded one's
+        **factored_figures(weight, Q, dead, lam, err_rows, energy_rows),  # a pruned weight's error is fed back as a rounded one's
     }
     quant = QuantResult(Q, codes, scale, zero, scheme) if scheme is not None else None
     return PruneResult(Q, pruned, quant, stats)

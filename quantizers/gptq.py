@@ -105,7 +105,8 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
 
     ``stats``: ``damp`` (relative damping finally used) and ``lambda`` (absolute), ``damp_retries``,
     ``dead_columns`` (``H_ii == 0``: quantized to zero), ``error`` = tr((W−Q) H (W−Q)ᵀ) with the
-    given ``H``, ``energy`` = tr(W H Wᵀ) and ``rel_error`` = error / energy. Raises ``ValueError`` on non-finite inputs,
+    given ``H``, ``energy`` = tr(W H Wᵀ) and ``rel_error`` = error / energy, and those two by row (``error_rows``,
+    ``energy_rows``, float64 ``[out]``: `factored_figures`). Raises ``ValueError`` on non-finite inputs,
     mismatched shapes, or a Hessian that no damping within ``max_damp_tries`` makes factorizable.
     """
     scheme = config.scheme
@@ -135,7 +136,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         zero = W.new_empty(out_features, n_groups)
         group_of = [j // width for j in range(in_features)]
 
-    energy = proxy_loss(W, H)  # tr(W H Wᵀ): the dead columns of W are zero, H's permutation is W's
+    energy_rows = proxy_loss_rows(W, H)  # tr(W H Wᵀ) by row: the dead columns of W are zero, H's permutation is W's
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H  # damped in place and no longer needed: free it before the column loop
 
@@ -189,7 +190,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         "lambda": lam,
         "damp_retries": retries,
         "dead_columns": int(dead.sum()),
-        **factored_figures(weight, Q, dead, lam, err_rows, energy),
+        **factored_figures(weight, Q, dead, lam, err_rows, energy_rows),
     }
     return QuantResult(Q, codes, scale, zero, scheme, g_idx=g_idx, stats=stats)
 
@@ -217,27 +218,35 @@ def feed_error_(later: torch.Tensor, u: torch.Tensor, err: torch.Tensor, scratch
 
 
 def factored_figures(weight: torch.Tensor, Q: torch.Tensor, dead: torch.Tensor, lam: float, err_rows: torch.Tensor,
-                     energy: float) -> dict[str, float]:
+                     energy_rows: torch.Tensor) -> dict:
     """A second-order solver's proxy figures (GPTQ, SparseGPT) with the caller's undamped ``H``: ``error`` =
-    tr((W − Q) H (W − Q)ᵀ), i.e. (2/n)‖(W − Q)X‖² for H = 2/n X Xᵀ, ``energy`` = tr(W H Wᵀ) (given: one product,
-    taken before the damping) and their ratio ``rel_error``. The error needs no product by ``H``: the scaled
-    column errors ``E`` of the solve satisfy ``W − Q = E U`` (each column's final value is its original minus the
-    errors fed back to it), so with ``H + λI = U⁻¹U⁻ᵀ`` the damped error is ``‖E‖²`` (``err_rows``: per row), and
-    the undamped one that minus ``λ‖W − Q‖²`` over the live columns (a dead column's row and column of ``H`` are
-    zero). Equal to the float64 definition up to float32 rounding (tests/quantizers/test_gptq.py,
-    tests/pruners/test_sparsegpt.py). Sums per row, then over rows in float64, as `proxy_loss`, so the figures of a
-    layer's row slices add up to the layer's."""
+    tr((W − Q) H (W − Q)ᵀ), i.e. (2/n)‖(W − Q)X‖² for H = 2/n X Xᵀ, ``energy`` = tr(W H Wᵀ) (given by row:
+    `proxy_loss_rows`, taken before the damping) and their ratio ``rel_error``. The error needs no product by ``H``:
+    the scaled column errors ``E`` of the solve satisfy ``W − Q = E U`` (each column's final value is its original
+    minus the errors fed back to it), so with ``H + λI = U⁻¹U⁻ᵀ`` the damped error is ``‖E‖²`` (``err_rows``: per
+    row), and the undamped one that minus ``λ‖W − Q‖²`` over the live columns (a dead column's row and column of
+    ``H`` are zero). Equal to the float64 definition up to float32 rounding (tests/quantizers/test_gptq.py,
+    tests/pruners/test_sparsegpt.py). Also returned by row, float64 ``[out]`` (``error_rows``, ``energy_rows``):
+    the rows are independent given ``H``, so the figures of any set of rows (a layer's slice, or one of several
+    layers solved stacked) are their sums."""
     delta = weight.detach().float() - Q
     if dead.any():
         delta[:, dead] = 0.0
-    error = float((err_rows - lam * delta.square_().sum(1).double()).sum())
-    return {"error": error, "rel_error": error / energy if energy > 0 else 0.0, "energy": energy}
+    error_rows = err_rows - lam * delta.square_().sum(1).double()
+    error, energy = float(error_rows.sum()), float(energy_rows.sum())
+    return {"error": error, "rel_error": error / energy if energy > 0 else 0.0, "energy": energy,
+            "error_rows": error_rows, "energy_rows": energy_rows}
+
+
+def proxy_loss_rows(delta: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
+    """``tr(Δ H Δᵀ)`` of each row of ``Δ [out, in]``, in float64 ``[out]``."""
+    return ((delta @ H) * delta).sum(dim=1).double()
 
 
 def proxy_loss(delta: torch.Tensor, H: torch.Tensor) -> float:
     """``tr(Δ H Δᵀ)`` for ``Δ [out, in]``: summed per row, then over rows in float64, so that the figure does
     not depend on the thread count (a whole-tensor sum is split across threads and rounds differently)."""
-    return float(((delta @ H) * delta).sum(dim=1).double().sum())
+    return float(proxy_loss_rows(delta, H).sum())
 
 
 def layer_error(weight: torch.Tensor, quantized: torch.Tensor, hessian: torch.Tensor) -> tuple[float, float]:

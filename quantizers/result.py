@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -27,7 +28,7 @@ class QuantResult:
     zero: torch.Tensor
     scheme: Grid
     g_idx: torch.Tensor | None = None
-    stats: dict[str, float] = field(default_factory=dict)
+    stats: dict[str, Any] = field(default_factory=dict)  # figures (floats); a solver's also by row (tensors)
 
 
 def concat_rows(parts: list[QuantResult]) -> QuantResult:
@@ -37,3 +38,11 @@ def concat_rows(parts: list[QuantResult]) -> QuantResult:
     first = parts[0]
     cat = lambda field: torch.cat([getattr(p, field) for p in parts])  # noqa: E731
     return QuantResult(cat("weight"), cat("codes"), cat("scale"), cat("zero"), first.scheme, first.g_idx)
+
+
+def split_rows(result: QuantResult, rows: list[int]) -> list[QuantResult]:
+    """The results of consecutive row slices of ``rows`` rows each (the inverse of `concat_rows`: several layers
+    quantized stacked on one grid with ``rows_independent``): weight, codes, scale and zero split; grid and
+    ``g_idx`` shared; ``stats`` left empty, as `concat_rows` leaves them."""
+    parts = [getattr(result, name).split(rows) for name in ("weight", "codes", "scale", "zero")]
+    return [QuantResult(*fields, result.scheme, result.g_idx) for fields in zip(*parts)]

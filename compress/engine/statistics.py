@@ -279,18 +279,17 @@ class StatsCollector(AbstractContextManager):
             stats.combine(ranks)
 
     def results(self) -> dict[str, dict[Stat, torch.Tensor]]:
-        """Each layer's statistics; layers sharing an input get equal but separate tensors (computed once, copied).
-        Taken once: the float64 sums are released after (with their buffers, 1.9 GB for a 14336-wide layer, which
-        would otherwise be held while the group is solved)."""
+        """Each layer's statistics; layers sharing an input get the very same dict (computed once), which tells a
+        method they can be solved together (`Method.transform_shared`): statistics are read-only to methods (the
+        solvers work on copies). Taken once: the float64 sums are released after (with their buffers, 1.9 GB for a
+        14336-wide layer, which would otherwise be held while the group is solved)."""
         done: dict[int, dict[Stat, torch.Tensor]] = {}
         out = {}
         for name, stats in self.stats.items():
-            first = done.get(id(stats))
-            if first is None:  # followers copy this result, not the released sums
-                first = done[id(stats)] = out[name] = stats.result()
+            if id(stats) not in done:
+                done[id(stats)] = stats.result()
                 stats.release()
-            else:
-                out[name] = {k: v.clone() for k, v in first.items()}
+            out[name] = done[id(stats)]
         return out
 
 

@@ -19,7 +19,7 @@ from torch import nn
 
 from compress.checkpoints.model_io import get_weight, set_weight
 from compress.quantizers.asymmetric import asymmetric_target
-from compress.quantizers.result import QuantResult, concat_rows
+from compress.quantizers.result import QuantResult, concat_rows, split_rows
 from compress.engine.statistics import Stat
 
 
@@ -51,6 +51,9 @@ class LayerOutcome:
     quantizes_input: bool = False
     # tr(W H Wᵀ) (second-order solvers): what ``info["error"]`` is relative to, kept so row slices' figures combine
     energy: float | None = None
+    # the error and energy by row, float64 [out] (second-order solvers): so stacked layers' figures split
+    error_rows: torch.Tensor | None = None
+    energy_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -115,20 +118,31 @@ class Method:
         stats: dict[str, dict[Stat, torch.Tensor]],
         replay: Callable[[], object] | None = None,
     ) -> list[LayerReport]:
-        """Transform the selected layers of one block in place; the default goes layer by layer.
+        """Transform the selected layers of one block in place; the default goes layer by layer, and layers
+        fed the very same input (one statistics dict, `StatsCollector.results`) through `transform_shared`.
 
         ``replay()`` runs the block on the calibration inputs again (None outside blocks), for methods
         that measure the block's outputs under candidate weights (AWQ's scale search); ``replay.ranks``
         combines such figures over the processes that share the calibration data (`compress.engine.ranks`)."""
-        reports = []
-        for name, module in layers.items():
+        reports = {}
+        for names in _by_shared_statistics(layers, stats):
             start = time.perf_counter()
-            weight = get_weight(module).detach().float()
-            outcome = self.transform_layer(name, weight, stats.get(name, {}))
-            set_weight(module, outcome.weight)
-            self.keep_outcome(name, outcome)
-            reports.append(LayerReport(name, tuple(weight.shape), time.perf_counter() - start, outcome.info))
-        return reports
+            weights = [get_weight(layers[name]).detach().float() for name in names]
+            if len(names) > 1:
+                outcomes = self.transform_shared(names, weights, stats[names[0]])
+            else:
+                outcomes = [self.transform_layer(names[0], weights[0], stats.get(names[0], {}))]
+            share = (time.perf_counter() - start) / sum(w.shape[0] for w in weights)  # each layer's time by its rows
+            for name, weight, outcome in zip(names, weights, outcomes):
+                set_weight(layers[name], outcome.weight)
+                self.keep_outcome(name, outcome)
+                reports[name] = LayerReport(name, tuple(weight.shape), share * weight.shape[0], outcome.info)
+        return [reports[name] for name in layers]
+
+    def transform_shared(self, names: list[str], weights: list[torch.Tensor], stats: dict[Stat, torch.Tensor]) -> list[LayerOutcome]:
+        """The outcomes of layers ``names`` fed the very same input (``stats``, theirs alike), in order; the
+        default transforms them one at a time."""
+        return [self.transform_layer(name, weight, stats) for name, weight in zip(names, weights)]
 
     def keep_outcome(self, name: str, outcome: LayerOutcome) -> None:
         """Hand a finished layer's codes (``outcome.quant``/``input_scale``) to the engine, which packs
@@ -200,7 +214,60 @@ class HessianMethod(Method):
         if "sparsity" in info:
             info["sparsity"] = sum(p.info["sparsity"] * n for p, n in zip(parts, rows)) / sum(rows)
         quant = concat_rows([p.quant for p in parts]) if first.quant is not None else None
-        return dataclasses.replace(first, weight=torch.cat([p.weight for p in parts]), info=info, quant=quant, energy=energy)
+        by_row = {k: torch.cat([getattr(p, k) for p in parts]) for k in ("error_rows", "energy_rows") if getattr(first, k) is not None}
+        return dataclasses.replace(first, weight=torch.cat([p.weight for p in parts]), info=info, quant=quant, energy=energy, **by_row)
+
+    def split_rows(self, whole: LayerOutcome, rows: list[int]) -> list[LayerOutcome]:
+        """The outcomes of consecutive slices of ``rows`` rows each of a layer solved whole (the inverse of
+        `merge_rows`): each slice's ``error`` and energy the sums of its rows' (``error_rows``, ``energy_rows``),
+        ``sparsity`` counted on its weight, the damping and dead columns (H's alone) the whole's."""
+        quants = split_rows(whole.quant, rows) if whole.quant is not None else [None] * len(rows)
+        parts = []
+        for weight, quant, error_rows, energy_rows in zip(whole.weight.split(rows), quants, whole.error_rows.split(rows),
+                                                          whole.energy_rows.split(rows)):
+            info, energy = dict(whole.info), float(energy_rows.sum())
+            if "error" in info:
+                info["error"] = float(error_rows.sum())
+                info["rel_error"] = info["error"] / energy if energy > 0 else 0.0
+            if "sparsity" in info:
+                info["sparsity"] = int((weight == 0).sum()) / weight.numel()
+            parts.append(dataclasses.replace(whole, weight=weight, info=info, quant=quant, energy=energy,
+                                             error_rows=error_rows, energy_rows=energy_rows))
+        return parts
+
+    # Layers fed one input are solved stacked up to this many weights (256 MB in float32): past it the column loop's
+    # per-column overhead, which stacking saves, is a small share, and the stack's working copies would raise the peak.
+    stack_elements: ClassVar[int] = 1 << 26
+
+    def transform_layer(self, name, weight, stats) -> LayerOutcome:
+        return self.finish(name, self.solved(name, weight, stats), stats)
+
+    def transform_shared(self, names, weights, stats) -> list[LayerOutcome]:
+        """Layers fed one input share ``H``, and the solvers' rows are independent given it (`row_parallel`): they
+        are solved as one weight, their rows stacked (the same bits as one by one; one factorization of ``H`` and one
+        column loop instead of one each: 2.3x faster on SmolLM2's q/k/v, 1.3x on gate/up), as long as the stack
+        stays within `stack_elements`."""
+        if not self.row_parallel:
+            return super().transform_shared(names, weights, stats)
+        outcomes, start = [], 0
+        while start < len(names):
+            end, size = start + 1, weights[start].numel()
+            while end < len(names) and size + weights[end].numel() <= self.stack_elements:
+                size, end = size + weights[end].numel(), end + 1
+            stack, rows = names[start:end], [w.shape[0] for w in weights[start:end]]
+            whole = self.solved(", ".join(stack), torch.cat(weights[start:end]) if end - start > 1 else weights[start], stats)
+            parts = self.split_rows(whole, rows) if end - start > 1 else [whole]
+            outcomes += [self.finish(name, part, stats) for name, part in zip(stack, parts)]
+            start = end
+        return outcomes
+
+    def solved(self, name: str, weight: torch.Tensor, stats: dict[Stat, torch.Tensor]) -> LayerOutcome:
+        """The solver's outcome for ``weight`` (a layer's, or several layers' stacked by rows; ``name`` says which)."""
+        raise NotImplementedError
+
+    def finish(self, name: str, outcome: LayerOutcome, stats: dict[Stat, torch.Tensor]) -> LayerOutcome:
+        """Layer ``name``'s outcome from its rows of a solve (what the method adds per layer); as is by default."""
+        return outcome
 
     def solve(self, name: str, solver, weight: torch.Tensor, stats: dict[Stat, torch.Tensor], config, keys: tuple[str, ...]):
         """Run ``solver(weight, H, config)``; returns the layer outcome with the ``keys`` of its stats. With the
@@ -215,4 +282,14 @@ class HessianMethod(Method):
             raise CompressError(f"{self.label} failed on {name}: {exc}") from None
         quant = result if isinstance(result, QuantResult) else getattr(result, "quant", None)  # SparseGPT joint
         info = {k: result.stats[k] for k in keys if k in result.stats}
-        return LayerOutcome(result.weight, info, quant=quant, energy=result.stats.get("energy"))
+        return LayerOutcome(result.weight, info, quant=quant, energy=result.stats.get("energy"),
+                            error_rows=result.stats.get("error_rows"), energy_rows=result.stats.get("energy_rows"))
+
+
+def _by_shared_statistics(layers: dict[str, nn.Module], stats: dict) -> list[list[str]]:
+    """``layers``' names in sets holding one statistics dict (fed the very same input), in first-seen order."""
+    sets: dict[object, list[str]] = {}
+    for name in layers:
+        shared = stats.get(name)
+        sets.setdefault(id(shared) if shared else name, []).append(name)
+    return list(sets.values())

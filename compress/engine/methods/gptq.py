@@ -45,8 +45,10 @@ class GPTQ(InputQuantization, HessianMethod):
     def check_layer(self, name: str, out_features: int, in_features: int) -> None:
         self.check_grid(name, in_features)
 
-    def transform_layer(self, name, weight, stats) -> LayerOutcome:
+    def solved(self, name, weight, stats) -> LayerOutcome:
         cfg = self.config
         config = GPTQConfig(cfg.scheme(), block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order, mse=cfg.clipping_search())
-        outcome = self.solve(name, gptq, weight, stats, config, ("error", "rel_error", "damp", "damp_retries", "dead_columns"))
+        return self.solve(name, gptq, weight, stats, config, ("error", "rel_error", "damp", "damp_retries", "dead_columns"))
+
+    def finish(self, name, outcome, stats) -> LayerOutcome:
         return self.with_inputs(name, outcome, stats)

@@ -122,7 +122,7 @@ class SparseGPT(HessianMethod, _Pruner):
         cfg = self.config
         return SparseGPTConfig(cfg.target(), block_size=cfg.block_size, damp=cfg.damp, scheme=cfg.scheme())
 
-    def transform_layer(self, name, weight, stats) -> LayerOutcome:
+    def solved(self, name, weight, stats) -> LayerOutcome:
         config = self._solver_config()
         keys = ("sparsity", "error", "rel_error", "damp", "damp_retries", "dead_columns")
         return self.solve(name, sparsegpt, weight, stats, config, keys)
