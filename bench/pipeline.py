@@ -4,7 +4,9 @@
                              [--calib FILE --samples 32 --seq-len 512] [--text FILE --max-tokens 4096]
                              [--threads 2] [--device cpu|cuda] [--anchor llm-compressor] [--set KEY=VALUE ...]
 
-Phases (exclusive time: a phase's time excludes the phases it calls): ``load`` (opening the checkpoint, the
+Both tools are timed alike: a fresh process from its start to its exit, what a user waits for (ours with the
+``compress`` command's process settings). Phases (exclusive time: a phase's time excludes the phases it calls):
+``start`` (our process until the run begins: the interpreter and the imports of torch and ours), ``load`` (opening the checkpoint, the
 tokenizer and the calibration windows), ``capture`` (block 0's inputs), ``order`` (one batch through each
 block to learn the order its layers run in), ``statistics`` (the passes that collect each group's input
 statistics; their count per block is printed: true-sequential runs one per group of layers fed by the same
@@ -199,22 +201,48 @@ def quiet_disk() -> None:
         os.sync()
 
 
-def ours(args, model: Path, out: Path, clock: PhaseClock) -> float:
+def ours(args, model: Path, out: Path) -> tuple[float, dict]:
+    """Our wall time as a user waits for it, measured as the anchor's is: a fresh interpreter from its start (the
+    imports of torch and ours, which ``start`` counts), with what the ``compress`` command sets for the process (its
+    allocator policy, `compress.cli.app.fix_mmap_threshold`); and that process's phases and peak RSS."""
+    report = out.parent / "ours-phases.json"
+    spec = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "model": str(model),
+            "out": str(out), "report": str(report)}
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    quiet_disk()
+    start = time.perf_counter()
+    subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], env=env, check=True)
+    seconds = time.perf_counter() - start
+    return seconds, json.loads(report.read_text())
+
+
+def _child(spec: dict) -> None:
+    """`ours` in the fresh process: the run, timed by phase, its figures written to ``spec["report"]``."""
+    import torch
+
+    from compress.cli.app import fix_mmap_threshold
     from compress.run.recipe import parse_recipe
     from compress.run.runner import run_recipe
 
+    fix_mmap_threshold()
+    args = argparse.Namespace(**spec["args"])
+    torch.set_num_threads(args.threads)
+    clock = PhaseClock()
+    instrument(clock)
     stages = METHODS[args.method](args)
     stages = stages if isinstance(stages, list) else [stages]
     stages[-1] = {**stages[-1], **dict(_setting(item) for item in args.set)}
     recipe = {
-        "model": model, "stages": stages, "device": args.device,
+        "model": spec["model"], "stages": stages, "device": args.device,
         "calibration": {"path": args.calib, "samples": args.samples, "seq_len": args.seq_len},
-        "output": {"path": out, "format": "compressed-tensors"},
+        "output": {"path": spec["out"], "format": "compressed-tensors"},
     }
-    quiet_disk()
     start = time.perf_counter()
     run_recipe(parse_recipe(recipe))
-    return time.perf_counter() - start
+    run = time.perf_counter() - start
+    device = torch.cuda.max_memory_allocated() / 1e9 if args.device == "cuda" else None
+    Path(spec["report"]).write_text(json.dumps({"run": run, "seconds": dict(clock.seconds), "calls": dict(clock.calls),
+                                                "rss_gb": peak_rss_gb(), "device_gb": device}))
 
 
 def _setting(item: str) -> tuple[str, object]:
@@ -270,34 +298,30 @@ def main() -> None:
     ap.add_argument("--anchor", choices=["llm-compressor"])
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="another setting of (the last stage of) our method, e.g. true_sequential=false")
+    ap.add_argument("--child", help=argparse.SUPPRESS)  # `ours` in its fresh process
     args = ap.parse_args()
+    if args.child:
+        return _child(json.loads(args.child))
 
-    import torch
-
-    torch.set_num_threads(args.threads)
     from compress.eval.checkpoint import evaluate_checkpoint
 
-    clock = PhaseClock()
-    instrument(clock)
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         model = random_checkpoint(args.random, args.blocks or 4) if args.random else truncated(args.model, args.blocks, scratch)
-        seconds = ours(args, model, scratch / "ours", clock)
-        phases = dict(clock.seconds)
-        counts = dict(clock.calls)
-        rss = peak_rss_gb()
+        seconds, child = ours(args, model, scratch / "ours")
+        phases, counts = child["seconds"], child["calls"]
+        phases["start"] = seconds - child["run"]  # the interpreter, the imports of torch and ours, the process's exit
         what = "smoothquant + gptq w8a8-int8" if args.method == "w8a8" else f"{args.method} w{args.bits} g{args.group_size}"
         print(f"model {model.name}, {what}{' act-order' if args.act_order and args.method == 'gptq' else ''}"
               f"{''.join(' ' + item for item in args.set)}, calibration {args.samples} x "
               f"{args.seq_len}, {args.threads} threads, {args.device}")
         print("\n| phase | seconds | share | calls |\n|---|---:|---:|---:|")
-        for phase in ("load", "capture", "order", "statistics", "one pass", "solve", "replay", "propagation", "write"):
+        for phase in ("start", "load", "capture", "order", "statistics", "one pass", "solve", "replay", "propagation", "write"):
             if phases.get(phase, 0) >= 0.005:  # e.g. one pass, tried and not taken by RTN
-                print(f"| {phase} | {phases[phase]:.2f} | {100 * phases[phase] / seconds:.0f}% | {counts.get(phase, 0)} |")
+                print(f"| {phase} | {phases[phase]:.2f} | {100 * phases[phase] / seconds:.0f}% | {counts.get(phase, 0) or ''} |")
         rest = seconds - sum(phases.values())
         print(f"| other | {rest:.2f} | {100 * rest / seconds:.0f}% | |\n| **total** | **{seconds:.2f}** | | |")
-        print(f"\npeak RSS {rss:.2f} GB" + (f", peak device memory {torch.cuda.max_memory_allocated() / 1e9:.2f} GB"
-                                           if args.device == "cuda" else ""))
+        print(f"\npeak RSS {child['rss_gb']:.2f} GB" + (f", peak device memory {child['device_gb']:.2f} GB" if child["device_gb"] else ""))
         rows = [("ours", seconds, scratch / "ours")]
         if args.anchor:
             rows.append(("llm-compressor 0.14", anchor(args, model, scratch / "anchor", scratch), scratch / "anchor"))

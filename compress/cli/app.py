@@ -22,7 +22,7 @@ eval_app = typer.Typer(help="Evaluate models.", no_args_is_help=True)
 app.add_typer(eval_app, name="eval")
 
 
-def _fix_mmap_threshold() -> None:
+def fix_mmap_threshold() -> None:
     """Serve every allocation of 1 MB or more from its own mapping, returned to the OS when freed.
 
     glibc raises its mmap threshold (up to 32 MB) after large frees; block-sized tensors then come
@@ -40,7 +40,7 @@ def _fix_mmap_threshold() -> None:
 @app.callback(invoke_without_command=True)
 def _root(version: bool = typer.Option(False, "--version", help="Show the version and exit.")) -> None:
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    _fix_mmap_threshold()
+    fix_mmap_threshold()
     if version:
         stdout.print(f"llm-compress {__version__}")
         raise typer.Exit()
