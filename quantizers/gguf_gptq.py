@@ -39,7 +39,7 @@ from compress.formats.gguf import grids
 from compress.formats.gguf.codecs import decode_tensor, round_trip
 from compress.formats.gguf.lattice import parity_signs
 from compress.formats.gguf.sizes import GGMLType
-from compress.quantizers.gptq import check_solver_settings, layer_errors, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, factored_figures, proxy_loss, proxy_loss_rows, solver_inputs
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.threads import one_thread
 
@@ -141,14 +141,15 @@ def _round_lattice_block(W1t: torch.Tensor, Err1t: torch.Tensor, U1: torch.Tenso
 def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfig) -> GGUFQuantResult:
     """Quantize ``weight`` into ``config.kind`` blocks with GPTQ given ``hessian``.
 
-    ``stats``: ``error``/``rel_error`` (as `compress.quantizers.gptq.gptq`), with ``compare_rtn`` ``rtn_rel_error``
-    (the type's plain encoder on the same weight, for comparison: ~20% of the solve's time on a 2048² Q4_K or Q6_K
-    layer), ``damp``, ``damp_retries``, ``dead_columns``.
+    ``stats``: ``error``/``rel_error``/``energy`` and by row ``error_rows``/``energy_rows`` (as
+    `compress.quantizers.gptq.gptq`: from the solve's own column errors, no product by ``H`` for the error), with
+    ``compare_rtn`` ``rtn_rel_error`` (the type's plain encoder on the same weight, for comparison: one more encode
+    and one product by ``H``), ``damp``, ``lambda``, ``damp_retries``, ``dead_columns``.
     """
     kind, B = config.kind, grids.block_size(config.kind)
     W, H = solver_inputs(weight, hessian)
     W, H = W.cpu(), H.cpu()
-    rows, cols = W.shape
+    cols = W.shape[1]
     if cols % B:
         raise ValueError(f"rows of {cols} values do not split into {kind.name} blocks of {B}")
 
@@ -159,11 +160,31 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
     importance = (diag + 1e-8 * diag.mean()).numpy() if config.weighted_fit else None
     row_sigma2 = W.square().mean(dim=1, keepdim=True).numpy()  # ggml's legacy types weigh by the row's
 
-    U, damp, _, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
+    energy_rows = proxy_loss_rows(W, H)  # tr(W H Wᵀ) by row, before the damping
+    U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H
 
-    batch = B * math.ceil(config.block_size / B)
+    data, err_rows = _solve_columns(W, U, kind, B * math.ceil(config.block_size / B), importance, row_sigma2)
+
+    Q = torch.from_numpy(decode_tensor(data, kind, cols))
+    stats = {"damp": damp, "lambda": lam, "damp_retries": retries, "dead_columns": int(dead.sum()),
+             **factored_figures(weight, Q, dead, lam, err_rows, energy_rows)}
+    if config.compare_rtn:
+        W0 = weight.detach().cpu().float()
+        error = proxy_loss(W0 - torch.from_numpy(round_trip(W0.numpy(), kind)), hessian.detach().cpu().float())
+        stats["rtn_rel_error"] = error / stats["energy"] if stats["energy"] > 0 else 0.0
+    return GGUFQuantResult(Q.to(weight.device), data, kind, stats)
+
+
+def _solve_columns(W: torch.Tensor, U: torch.Tensor, kind: GGMLType, batch: int, importance: np.ndarray | None,
+                   row_sigma2: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+    """GPTQ's column loop over ``W [rows, in]`` (updated in place) with the upper inverse factor ``U``, in lazy
+    batches of ``batch`` columns: the packed bytes ``[rows, row_bytes]`` and ``Σ err²`` by row (float64), the
+    damped error of each row (`compress.quantizers.gptq.factored_figures`)."""
+    rows, cols = W.shape
+    B = grids.block_size(kind)
     blocks: list[np.ndarray] = []  # packed bytes [rows, type_size] of each block column, in order
+    err_rows = torch.zeros(rows, dtype=torch.float64)
     for i1 in range(0, cols, batch):
         i2 = min(i1 + batch, cols)
         W1t, U1 = W[:, i1:i2].T.contiguous(), U[i1:i2, i1:i2]  # [batch, rows]: a column per row
@@ -177,14 +198,5 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
                 with one_thread(W1t.device):
                     blocks.append(grids.pack(grid, _round_block(W1t, Err1t, U1, b, grid)))
         W[:, i2:] -= Err1t.T @ U[i1:i2, i2:]  # lazy batch update of all later columns
-
-    data = np.concatenate(blocks, axis=1)
-    Q = torch.from_numpy(decode_tensor(data, kind, cols))
-    W0, H0 = weight.detach().cpu().float(), hessian.detach().cpu().float()
-    compared = [Q, torch.from_numpy(round_trip(W0.numpy(), kind))] if config.compare_rtn else [Q]
-    figures = layer_errors(W0, compared, H0)
-    (error, rel_error) = figures[0]
-    stats = {"error": error, "rel_error": rel_error, "damp": damp, "damp_retries": retries, "dead_columns": int(dead.sum())}
-    if config.compare_rtn:
-        stats["rtn_rel_error"] = figures[1][1]
-    return GGUFQuantResult(Q.to(weight.device), data, kind, stats)
+        err_rows += Err1t.square().sum(0)  # float32 over the batch's columns, float64 across batches
+    return np.concatenate(blocks, axis=1), err_rows
