@@ -49,14 +49,13 @@ def sha256_file(path: Path) -> str:
 
 
 def _gguf_spans(path: Path) -> list[tuple[int, int, str]]:
-    from compress.checkpoints.gguf_file import read_gguf
+    from compress.checkpoints.gguf_file import tensor_infos
 
-    reader = read_gguf(path)
     size = path.stat().st_size
     spans = []
-    for tensor in reader.tensors:
-        begin = int(tensor.data_offset)
-        end = begin + int(tensor.n_bytes)
+    for tensor in tensor_infos(path):
+        begin = tensor.data_offset
+        end = begin + tensor.n_bytes
         if end > size:
             raise CompressError(f"{path} is truncated: tensor {tensor.name} ends at byte {end} of {size}")
         spans.append((begin, end, tensor.name))
@@ -207,12 +206,12 @@ def _check_file(path: Path, entry: dict) -> None:
 
 
 def _reread_gguf(path: Path) -> int:
-    from compress.checkpoints.gguf_file import dequantized, read_gguf
+    from compress.checkpoints.gguf_file import dequantized, mapped_tensors
 
-    reader = read_gguf(path)
-    for tensor in reader.tensors:
+    tensors = mapped_tensors(path)
+    for tensor in tensors:
         dequantized(path, tensor)
-    return len(reader.tensors)
+    return len(tensors)
 
 
 def _reread_checkpoint(path: Path, trust_remote_code: bool) -> tuple[int, int]:

@@ -3,7 +3,8 @@ GGUF file are overwritten, and the files cut short, by hypothesis (bounded: a fi
 derandomized so CI sees the same ones); every reader either reads the file whole or raises `CompressError`,
 never another exception, never an allocation the file asks for. The readers: `CheckpointReader` (header,
 then every tensor), and the GGUF path of `compress convert` / `.gguf` models (`read_gguf`, the
-architecture, every tensor dequantized by gguf-py) with the manifest's span reader."""
+architecture, every tensor dequantized by gguf-py) with the manifest's and `compress verify`'s header walker
+(`tensor_infos`, `mapped_tensors`)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from compress.checkpoints.gguf_file import dequantized, read_gguf
+from compress.checkpoints.gguf_file import dequantized, mapped_tensors, read_gguf
 from compress.checkpoints.gguf_source import _open
 from compress.checkpoints.integrity import file_entry
 from compress.checkpoints.shards import CheckpointReader, write_safetensors
@@ -105,6 +106,8 @@ def _read_safetensors(folder: Path) -> None:
 def _read_gguf(path: Path) -> None:
     reader = read_gguf(path)
     for tensor in reader.tensors:
+        dequantized(path, tensor)
+    for tensor in mapped_tensors(path):  # `compress verify`'s reader: the header walked, values skipped
         dequantized(path, tensor)
     file_entry(path)
     _open(path)
