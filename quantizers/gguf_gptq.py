@@ -39,7 +39,7 @@ from compress.formats.gguf import grids
 from compress.formats.gguf.codecs import decode_tensor, round_trip
 from compress.formats.gguf.lattice import parity_signs
 from compress.formats.gguf.sizes import GGMLType
-from compress.quantizers.gptq import check_solver_settings, factored_figures, proxy_loss, proxy_loss_rows, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, factored_figures, proxy_loss_rows, solver_inputs
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.threads import one_thread
 
@@ -143,8 +143,8 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
 
     ``stats``: ``error``/``rel_error``/``energy`` and by row ``error_rows``/``energy_rows`` (as
     `compress.quantizers.gptq.gptq`: from the solve's own column errors, no product by ``H`` for the error), with
-    ``compare_rtn`` ``rtn_rel_error`` (the type's plain encoder on the same weight, for comparison: one more encode
-    and one product by ``H``), ``damp``, ``lambda``, ``damp_retries``, ``dead_columns``.
+    ``compare_rtn`` ``rtn_rel_error`` and by row ``rtn_error_rows`` (the type's plain encoder on the same weight, for
+    comparison: one more encode and one product by ``H``), ``damp``, ``lambda``, ``damp_retries``, ``dead_columns``.
     """
     kind, B = config.kind, grids.block_size(config.kind)
     W, H = solver_inputs(weight, hessian)
@@ -171,8 +171,9 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
              **factored_figures(weight, Q, dead, lam, err_rows, energy_rows)}
     if config.compare_rtn:
         W0 = weight.detach().cpu().float()
-        error = proxy_loss(W0 - torch.from_numpy(round_trip(W0.numpy(), kind)), hessian.detach().cpu().float())
-        stats["rtn_rel_error"] = error / stats["energy"] if stats["energy"] > 0 else 0.0
+        rtn_rows = proxy_loss_rows(W0 - torch.from_numpy(round_trip(W0.numpy(), kind)), hessian.detach().cpu().float())
+        stats["rtn_error_rows"] = rtn_rows
+        stats["rtn_rel_error"] = float(rtn_rows.sum()) / stats["energy"] if stats["energy"] > 0 else 0.0
     return GGUFQuantResult(Q.to(weight.device), data, kind, stats)
 
 

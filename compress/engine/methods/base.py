@@ -249,17 +249,24 @@ class HessianMethod(Method):
         stays within `stack_elements`."""
         if not self.row_parallel:
             return super().transform_shared(names, weights, stats)
-        outcomes, start = [], 0
-        while start < len(names):
-            end, size = start + 1, weights[start].numel()
-            while end < len(names) and size + weights[end].numel() <= self.stack_elements:
-                size, end = size + weights[end].numel(), end + 1
-            stack, rows = names[start:end], [w.shape[0] for w in weights[start:end]]
-            whole = self.solved(", ".join(stack), torch.cat(weights[start:end]) if end - start > 1 else weights[start], stats)
-            parts = self.split_rows(whole, rows) if end - start > 1 else [whole]
+        outcomes = []
+        for run in self.stacks(weights):
+            stack, rows = names[run], [w.shape[0] for w in weights[run]]
+            whole = self.solved(", ".join(stack), torch.cat(weights[run]) if len(stack) > 1 else weights[run.start], stats)
+            parts = self.split_rows(whole, rows) if len(stack) > 1 else [whole]
             outcomes += [self.finish(name, part, stats) for name, part in zip(stack, parts)]
-            start = end
         return outcomes
+
+    def stacks(self, weights: list[torch.Tensor]) -> list[slice]:
+        """``weights`` cut into runs of consecutive ones, each run as many as stay within `stack_elements` together."""
+        runs, start = [], 0
+        while start < len(weights):
+            end, size = start + 1, weights[start].numel()
+            while end < len(weights) and size + weights[end].numel() <= self.stack_elements:
+                size, end = size + weights[end].numel(), end + 1
+            runs.append(slice(start, end))
+            start = end
+        return runs
 
     def solved(self, name: str, weight: torch.Tensor, stats: dict[Stat, torch.Tensor]) -> LayerOutcome:
         """The solver's outcome for ``weight`` (a layer's, or several layers' stacked by rows; ``name`` says which)."""
