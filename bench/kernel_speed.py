@@ -1,10 +1,11 @@
 """Int4 dequant kernels on a GPU: W4A16 GEMM time next to a bf16 ``torch.matmul``, and weight bandwidth.
 
     python bench/kernel_speed.py [--layout pack-quantized|gptq] [--group-size 128] [--batches 1 4 16 64 256] [--cuda-ext]
+                                [--skip-float] [--skip-gguf]
 
 For the linear shapes of a 7B/8B Llama (out×in: 4096×4096, 11008×4096, 4096×11008, 14336×4096,
-4096×14336) and each batch: time of ``triton_int.matmul`` (fused dequant-GEMM up to batch 16, dequantize +
-matmul above), time of ``torch.matmul`` with the bf16 weight, the speedup, and the effective bandwidth of
+4096×14336) and each batch: time of ``triton_int.matmul`` (gemv up to batch 4, fused dequant-GEMM up to 16,
+dequantize + matmul above; at gemv's batches the fused kernel's time beside it), time of ``torch.matmul`` with the bf16 weight, the speedup, and the effective bandwidth of
 the packed weight traffic (packed words + scales [+ zeros] bytes / time) as a fraction of the device's
 measured copy bandwidth (a 1 GiB device-to-device copy: read + write bytes / time). Targets (Marlin's
 published figures, ~3.9× over fp16 up to batch 16, are the anchor): ≥ 3× at batch 1, ≥ 80% of copy bandwidth.
@@ -89,7 +90,7 @@ def check(tensors, reference, desc, use_cuda_ext: bool) -> None:
         if not torch.equal(cuda_ext.dequantize(desc), expected.contiguous()):
             raise SystemExit("FAIL: CUDA C++ dequant differs from the torch reference")
     w = expected.bfloat16()
-    for m in (1, 16, 64):
+    for m in (1, 4, 16, 64):
         x = torch.randn(m, desc.in_features, device="cuda", dtype=torch.bfloat16)
         y, ref = triton_int.matmul(x, desc).float(), (x @ w.t()).float()
         err = ((y - ref).norm() / ref.norm()).item()
@@ -146,6 +147,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 4, 16, 64, 256])
     parser.add_argument("--cuda-ext", action="store_true", help="also build and check the CUDA C++ dequant")
     parser.add_argument("--skip-gguf", action="store_true")
+    parser.add_argument("--skip-float", action="store_true")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         print("bench/kernel_speed.py needs a CUDA GPU (Triton kernels); none found: nothing to measure.")
@@ -156,8 +158,8 @@ def main() -> None:
     print(f"device: {torch.cuda.get_device_name()}  copy bandwidth: {copy_gbs:.0f} GB/s (read + write)")
     print(f"layout: {args.layout}, 4-bit, group {args.group_size}; activations bf16\n")
     print("| out x in | batch | W4A16 ms (graph) | bf16 matmul ms (graph) | speedup (graph) | speedup (eager) "
-          "| weight GB/s (graph) | % of copy |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          "| weight GB/s (graph) | % of copy | fused kernel ms (graph, speedup) |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for i, (out_f, in_f) in enumerate(SHAPES):
         tensors, reference, desc = random_layer(args.layout, out_f, in_f, args.group_size, seed=i)
         check(tensors, reference, desc, args.cuda_ext)
@@ -167,13 +169,17 @@ def main() -> None:
             x = torch.randn(m, in_f, device="cuda", dtype=torch.bfloat16)
             (ms, ms_g), (base, base_g) = timed(lambda: triton_int.matmul(x, desc)), timed(lambda: x @ dense.t())
             gbs = nbytes / (ms_g * 1e-3) / 1e9
+            # at decode batches matmul runs gemv; the fused tl.dot kernel beside it, as before gemv existed
+            fused = timed(lambda: triton_int.fused_matmul(x, desc))[1] if m <= triton_int.GEMV_MAX_M else None
+            fused = f"{fused:.4f} ({base_g / fused:.2f}x)" if fused else "-"
             print(f"| {out_f}x{in_f} | {m} | {ms_g:.4f} | {base_g:.4f} | {base_g / ms_g:.2f}x | {base / ms:.2f}x "
-                  f"| {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% |")
-        fused = getattr(triton_int._fused_tuned, "best_config", None)
-        deq = getattr(triton_int._dequant_tuned, "best_config", None)
-        print(f"|   | tuned | fused: {fused.kwargs if fused else '-'} | "
-              f"dequant: {deq.kwargs if deq else '-'} | | | |")
-    bench_float()
+                  f"| {gbs:.0f} | {100 * gbs / copy_gbs:.0f}% | {fused} |")
+        tuned = {name: getattr(kernel, "best_config", None) for name, kernel in
+                 [("gemv", triton_int._gemv_tuned), ("fused", triton_int._fused_tuned), ("dequant", triton_int._dequant_tuned)]}
+        print("|   | tuned | " + " | ".join(f"{k}: {c.kwargs if c else '-'} {f'w{c.num_warps}' if c else ''}"
+                                          for k, c in tuned.items()) + " | | | | | |")
+    if not args.skip_float:
+        bench_float()
     if not args.skip_gguf:
         bench_gguf(copy_gbs)
 

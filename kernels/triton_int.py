@@ -8,8 +8,14 @@
   so the weight crosses memory once, packed. Split-K spreads a thin GEMM over the SMs (Marlin's
   observation: at batch 1 the work is a GEMV whose only cost is reading the weight; Frantar et al.,
   "MARLIN: Mixed-Precision Auto-Regressive Parallel Inference", 2024).
-- `matmul(x [..., K], desc, bias)`: fused for M ≤ `FUSED_MAX_M`, else dequantize to ``x.dtype`` and
-  ``torch.matmul`` (a dense GEMM is compute-bound there, the one-off dequant is amortized).
+- `gemv(x [M, K], desc) -> [M, N]`: the decode case (M ≤ `GEMV_MAX_M`) without ``tl.dot``: a 16-row MMA tile
+  wastes 15/16 of its work at batch 1 and the dequant arithmetic, not the weight traffic, bounds the fused
+  kernel there. Per tile inside one group the scale and zero are factored out of the sum,
+  ``Σ_k (c−z)·s·x_k = s·(Σ_k c·x_k − z·Σ_k x_k)``, so a code costs a shift, a mask, a conversion and a
+  multiply-add, and the codes stay in the ``[word, code of the word, n]`` shape they are unpacked in (no
+  reshape, no layout change). The sum runs in float32 on the exact weight, without rounding it to ``x.dtype``.
+- `matmul(x [..., K], desc, bias)`: gemv for M ≤ `GEMV_MAX_M`, fused for M ≤ `FUSED_MAX_M`, else dequantize to
+  ``x.dtype`` and ``torch.matmul`` (a dense GEMM is compute-bound there, the one-off dequant is amortized).
 
 Runs on CUDA, and on CPU tensors under Triton's interpreter (``TRITON_INTERPRET=1``, how the tests run it).
 """
@@ -25,6 +31,7 @@ import triton.language as tl
 
 from compress.kernels.layouts import GroupPacked
 
+GEMV_MAX_M = 4
 FUSED_MAX_M = 16
 BLOCK_M = 16  # tl.dot's smallest tile; rows past M are masked
 TUNE_MIN_WEIGHTS = 1 << 20
@@ -153,6 +160,63 @@ def _fused_kernel(
         tl.store(ptrs, acc, mask=ok)
 
 
+@triton.jit
+def _gemv_kernel(
+    x, sx_m, sx_k, words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx, acc_out, M, N, K, zero_offset,
+    BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
+    INTERPRET: tl.constexpr, ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNPACK: tl.constexpr,
+    WAVES: tl.constexpr, EVEN_K: tl.constexpr,
+):
+    """``acc_out [M, N]`` float32 (zeroed) += ``x[:, ks] @ W[:, ks].T`` over this program's share of the K blocks,
+    as broadcast products and sums (``ROWS`` ≥ M rows, a power of two)."""
+    per_word: tl.constexpr = 32 // BITS
+    code_mask: tl.constexpr = (1 << BITS) - 1
+    rows = tl.arange(0, ROWS)
+    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_blocks, tl.num_programs(1))
+    first = tl.program_id(1) * per_split
+    acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
+    for kb in range(first, tl.minimum(first + per_split, k_blocks)):
+        if (GROUP % BLOCK_K == 0) & (HAS_GIDX == 0):  # the tile lies in one group: factor s and z out
+            # codes as [words, per_word, n] and activations as [rows, words, per_word]: no reshape, so no
+            # register shuffle; the sum over a word's codes stays in one thread
+            kw = kb * (BLOCK_K // per_word) + tl.arange(0, BLOCK_K // per_word)
+            j = tl.arange(0, per_word)
+            # without a K mask when K is a multiple of BLOCK_K: a mask that varies along the words stops vector loads
+            if EVEN_K:
+                word = tl.load(words + kw[:, None] * sw_k + n[None, :] * sw_n, mask=n[None, :] < N, other=0)
+            else:
+                word = tl.load(words + kw[:, None] * sw_k + n[None, :] * sw_n,
+                               mask=(kw[:, None] < tl.cdiv(K, per_word)) & (n[None, :] < N), other=0)
+            c = ((word[:, None, :] >> (j * BITS)[None, :, None]) & code_mask).to(tl.float32)  # [KW, PW, BLOCK_N]
+            kk = kw[:, None] * per_word + j[None, :]
+            a3 = tl.load(x + rows[:, None, None] * sx_m + kk[None, :, :] * sx_k,
+                         mask=(rows[:, None, None] < M) & (kk[None, :, :] < K), other=0.0).to(tl.float32)
+            dot = tl.sum(tl.sum(a3[:, :, :, None] * c[None, :, :, :], axis=2), axis=1)  # [ROWS, BLOCK_N]
+            g = kb * BLOCK_K // GROUP
+            scale = tl.load(scales + g * ss_g + n * ss_n, mask=n < N, other=0.0).to(tl.float32)
+            if HAS_ZEROS:
+                zword = tl.load(zeros + g * sz_g + (n // per_word) * sz_n, mask=n < N, other=0)
+                zero = (((zword >> ((n % per_word) * BITS)) & code_mask) + zero_offset).to(tl.float32)
+            else:
+                zero = tl.full((BLOCK_N,), 1 << (BITS - 1), tl.float32)
+            acc += (dot - zero[None, :] * tl.sum(tl.sum(a3, axis=2), axis=1)[:, None]) * scale[None, :]
+        else:  # columns of several groups (or act-order's g_idx): each weight dequantized on its own
+            k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
+            a = tl.load(x + rows[:, None] * sx_m + k[None, :] * sx_k, mask=(rows[:, None] < M) & (k[None, :] < K),
+                        other=0.0).to(tl.float32)  # [ROWS, BLOCK_K]
+            w = _weight_tile(words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx, kb * BLOCK_K, n, K, N,
+                             zero_offset, BITS, GROUP, HAS_ZEROS, HAS_GIDX, BLOCK_K, BLOCK_N, UNPACK)
+            acc += tl.sum(a[:, :, None] * w[None, :, :], axis=1)
+    ptrs = acc_out + rows[:, None] * N + n[None, :]
+    ok = (rows[:, None] < M) & (n[None, :] < N)
+    if tl.num_programs(1) > 1:
+        tl.atomic_add(ptrs, acc, mask=ok)
+    else:
+        tl.store(ptrs, acc, mask=ok)
+
+
 # Tile shapes the GPU autotuner tries (per N, K): the word-unpacking and the per-code loads, narrow and wide tiles.
 def _configs(shapes, warps_stages) -> list[triton.Config]:
     return [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "UNPACK": unpack}, num_warps=w, num_stages=st)
@@ -162,6 +226,24 @@ def _configs(shapes, warps_stages) -> list[triton.Config]:
 FUSED_CONFIGS = (_configs([(64, 128), (128, 128), (64, 256), (32, 256)], [(4, 3)]) + _configs([(128, 256)], [(8, 3)])
                  + _configs([(32, 128), (16, 256)], [(2, 4)]))
 DEQUANT_CONFIGS = _configs([(64, 64), (128, 64), (64, 128)], [(4, 2)])
+# GEMV: 128-256 codes per thread (fewest instructions per code, read from the PTX), K tiles no wider than a group;
+# WAVES: programs per SM the split-K aims for
+GEMV_CONFIGS = [triton.Config({"BLOCK_N": bn, "BLOCK_K": bk, "UNPACK": 1, "WAVES": waves}, num_warps=w, num_stages=3)
+                for bn, bk, w in [(128, 32, 1), (256, 32, 2), (64, 64, 1), (128, 64, 2), (256, 64, 2), (64, 128, 1),
+                                  (128, 128, 2), (256, 128, 4), (64, 256, 4)]
+                for waves in (2, 8)]
+
+
+def _prune_gemv(configs, named_args, **kwargs):
+    """Tiles inside one group (the factored path) where the layer has no g_idx and some fit; else all."""
+    args = {**named_args, **kwargs}
+    fit = [c for c in configs if args["GROUP"] % c.kwargs["BLOCK_K"] == 0]
+    return fit if fit and not args["HAS_GIDX"] else configs
+
+
+_gemv_even = triton.heuristics({"EVEN_K": lambda args: args["K"] % args["BLOCK_K"] == 0})(_gemv_kernel)
+_gemv_tuned = triton.autotune(GEMV_CONFIGS, key=["N", "K", "ROWS"], reset_to_zero=["acc_out"],
+                              prune_configs_by={"early_config_prune": _prune_gemv})(_gemv_even)
 _fused_tuned = triton.autotune(FUSED_CONFIGS, key=["N", "K"], reset_to_zero=["acc_out"])(_fused_kernel)
 _dequant_tuned = triton.autotune(DEQUANT_CONFIGS, key=["N", "K"])(_dequant_kernel)
 
@@ -179,12 +261,13 @@ def _flags(desc: GroupPacked) -> dict:
 
 
 def _tile(block_n: int | None, block_k: int | None, unpack: bool | None, default: tuple[int, int],
-          weights: int) -> dict | None:
+          weights: int, extra: dict | None = None) -> dict | None:
     """Explicit tile meta-parameters, or None to let the autotuner choose: on a GPU, for a weight of at least
     `TUNE_MIN_WEIGHTS` (tuning compiles every config once per layout: worth it for real layers only)."""
     if block_n is None and block_k is None and unpack is None and not INTERPRET and weights >= TUNE_MIN_WEIGHTS:
         return None
-    return {"BLOCK_N": block_n or default[0], "BLOCK_K": block_k or default[1], "UNPACK": True if unpack is None else unpack}
+    return {"BLOCK_N": block_n or default[0], "BLOCK_K": block_k or default[1], "UNPACK": True if unpack is None else unpack,
+            **(extra or {})}
 
 
 def dequantize(desc: GroupPacked, dtype: torch.dtype = torch.float32, block_n: int | None = None,
@@ -230,14 +313,35 @@ def fused_matmul(x: torch.Tensor, desc: GroupPacked, block_n: int | None = None,
     return acc.to(x.dtype)
 
 
+def gemv(x: torch.Tensor, desc: GroupPacked, block_n: int | None = None, block_k: int | None = None,
+         split_k: int | None = None, unpack: bool | None = None) -> torch.Tensor:
+    """``x [M, K] @ W.T -> [M, N]`` in ``x.dtype`` for decode batches (M ≤ `GEMV_MAX_M`), float32 sums."""
+    if x.dim() != 2 or x.shape[1] != desc.in_features or x.shape[0] > GEMV_MAX_M:
+        raise ValueError(f"x must be [M <= {GEMV_MAX_M}, {desc.in_features}], got {list(x.shape)}")
+    m, n, k = x.shape[0], desc.out_features, desc.in_features
+    target = _program_target(x.device) // 2  # programs per SM, times WAVES
+
+    def grid(meta):
+        tiles = triton.cdiv(n, meta["BLOCK_N"])
+        return tiles, split_k or _split_k(tiles, triton.cdiv(k, meta["BLOCK_K"]), target * meta["WAVES"])
+
+    acc = torch.zeros(m, n, dtype=torch.float32, device=x.device)
+    tile = _tile(block_n, block_k, unpack, (32, 64), n * k, extra={"WAVES": 2})
+    kernel = _gemv_tuned if tile is None else _gemv_even
+    kernel[grid](x, x.stride(0), x.stride(1), *_args(desc), acc, m, n, k, desc.zero_offset, **_flags(desc),
+                 ROWS=triton.next_power_of_2(m), **(tile or {}))
+    return acc.to(x.dtype)
+
+
 def matmul(x: torch.Tensor, desc: GroupPacked, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``x [..., K] -> [..., N]``: fused dequant-GEMM for small batches, dequantize + matmul for large."""
+    """``x [..., K] -> [..., N]``: gemv for decode batches, fused dequant-GEMM for small ones, dequantize +
+    matmul for large."""
     bias = None if bias is None else bias.to(x.dtype)
     x2 = x.reshape(-1, x.shape[-1])
     if x2.shape[0] > FUSED_MAX_M:
         # F.linear on the reference forward's weight bits: identical results, not just close
         return torch.nn.functional.linear(x, dequantize(desc, x.dtype), bias)
-    y = fused_matmul(x2, desc)
+    y = gemv(x2, desc) if x2.shape[0] <= GEMV_MAX_M else fused_matmul(x2, desc)
     if bias is not None:
         y = y + bias
     return y.reshape(*x.shape[:-1], desc.out_features)

@@ -56,10 +56,14 @@ def test_int_layouts_on_the_gpu(layout, bits, symmetric, group_size, shape, monk
     assert torch.equal(triton_int.dequantize(desc).cpu(), expected.contiguous())  # the autotuned tile
     for unpack in (True, False):
         assert torch.equal(triton_int.dequantize(desc, block_k=64, unpack=unpack).cpu(), expected.contiguous())
-    for rows in (1, 3, 16, 40):  # the fused GEMM (<= 16 rows) and dequantize + matmul
+    for rows in (1, 3, 16, 40):  # gemv (<= 4 rows), the fused GEMM (<= 16) and dequantize + matmul
         x = random_weight((rows, shape[1]), seed=rows)
         want = (x.double() @ expected.double().t() + layer.bias.double()).float()
         torch.testing.assert_close(gpu(x.cuda()).cpu(), want, rtol=1e-4, atol=1e-3)
+    for block_k, split_k in ((16, 1), (32, 2), (64, 3)):  # gemv: inside one group (factored) and across groups
+        x = random_weight((3, shape[1]), seed=11)
+        y = triton_int.gemv(x.cuda(), desc, block_n=16, block_k=block_k, split_k=split_k)
+        torch.testing.assert_close(y.cpu().double(), x.double() @ expected.double().t(), rtol=1e-4, atol=1e-3)
     for split_k, unpack in ((1, True), (2, True), (2, False)):
         x = random_weight((5, shape[1]), seed=9)
         y = triton_int.fused_matmul(x.cuda(), desc, block_n=32, block_k=32, split_k=split_k, unpack=unpack)
@@ -125,7 +129,7 @@ def test_the_autotuned_kernels_on_a_real_layer():
     desc = describe_layer(gpu)
     assert desc.out_features * desc.in_features >= triton_int.TUNE_MIN_WEIGHTS
     assert torch.equal(triton_int.dequantize(desc).cpu(), expected)
-    for rows in (1, 16, 40):
+    for rows in (1, 4, 16, 40):
         x = random_weight((rows, 2048), seed=rows)
         want = (x.double() @ expected.double().t() + layer.bias.double()).float()
         torch.testing.assert_close(gpu(x.cuda()).cpu(), want, rtol=1e-4, atol=1e-3)

@@ -51,6 +51,34 @@ def test_fused_matmul_matches_reference(layout, bits, symmetric, group_size, sha
         torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-4)
 
 
+@pytest.mark.parametrize("layout,bits,symmetric,group_size,shape", [
+    ("pack-quantized", 4, True, 32, (37, 96)), ("pack-quantized", 4, False, 16, (24, 160)),
+    ("pack-quantized", 8, False, 64, (20, 128)), ("pack-quantized", 2, True, 32, (33, 64)),
+    ("gptq", 4, False, 16, (40, 80)), ("gptq", 8, True, 32, (32, 96)),
+])
+@pytest.mark.parametrize("m", [1, 3, 4])
+def test_gemv_matches_reference(layout, bits, symmetric, group_size, shape, m):
+    tensors, reference, desc = int_layer(layout, bits, symmetric, group_size, shape, act_order=layout == "gptq")
+    x = random_weight((m, shape[1]), seed=m)
+    expected = x.double() @ reference(tensors).double().t()
+    # block_k 16 inside every group (scale and zero factored out, no g_idx), 32 across groups of 16, the
+    # plain store and the atomic split-K reduction
+    for block_k, split_k, unpack in ((16, 1, True), (16, 3, True), (32, 2, True), (32, 1, False)):
+        y = triton_int.gemv(x, desc, block_n=16, block_k=block_k, split_k=split_k, unpack=unpack)
+        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-4)
+
+
+def test_gemv_half_activations_and_the_batch_limit():
+    tensors, reference, desc = int_layer("pack-quantized", 4, False, 32, (24, 96))
+    x = random_weight((1, 96), seed=8).to(torch.bfloat16)
+    expected = x.double() @ reference(tensors).double().t()  # the exact weight: gemv does not round it to bf16
+    y = triton_int.gemv(x, desc, block_n=16, block_k=32)
+    assert y.dtype == torch.bfloat16
+    torch.testing.assert_close(y.double(), expected.to(torch.bfloat16).double(), rtol=1e-2, atol=1e-2)
+    with pytest.raises(ValueError, match="M <= 4"):
+        triton_int.gemv(random_weight((5, 96), seed=1), desc)
+
+
 def test_matmul_large_batch_path_and_bias():
     tensors, reference, desc = int_layer("pack-quantized", 4, False, 16, (24, 64))
     x, bias = random_weight((2, 20, 64), seed=3), random_weight((24,), seed=4)  # 40 rows: the dequant+matmul path
