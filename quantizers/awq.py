@@ -116,7 +116,7 @@ def search_clip(weight: torch.Tensor, x: torch.Tensor, config: AWQConfig, rows_p
     tokens = max(xg.shape[1], 1)
     gram = xg.transpose(1, 2) @ xg if width < tokens else None  # [G, width, width]
     steps = [1 - i / config.clip_grid for i in range(int(config.max_shrink * config.clip_grid))]
-    best_shrink = torch.ones(out_features, in_features // width)
+    best_shrink = torch.ones(out_features, in_features // width, device=w.device)
     for start in range(0, out_features, rows_per_batch):  # bounds the [G, rows, width] products
         rows = w[start : start + rows_per_batch]
         best_err = None

@@ -89,3 +89,14 @@ def test_clip_search_matches_slow_reference(tokens, group):
         expected = _reference_clip(w, x, scheme, 10, 0.5)
         assert torch.equal(got, expected), (got, expected)
     assert (got < 1).any()
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_clip_search_on_the_gpu_stays_there_and_agrees():
+    """AWQ on CUDA once failed here: the shrink table was made on the CPU and met a CUDA weight."""
+    x, w = _salient_layer(seed=5, in_features=64, out_features=16, tokens=32)
+    config = AWQConfig(QuantScheme(4, False, 16), clip_grid=10, max_shrink=0.5)
+    got = search_clip(w.cuda(), x.cuda(), config)
+    assert got.device.type == "cuda"
+    agree = (got.cpu() == search_clip(w, x, config)).float().mean().item()
+    assert agree > 0.9  # the same choices, but where two candidates' errors tie within the GPU's rounding
