@@ -1,7 +1,7 @@
 """Evaluation throughput with a reference: the former algorithm, the streamed one, and a saved reference.
 
     python bench/eval_throughput.py [--model DIR|FILE.gguf] [--text FILE] [--ctx 512] [--batch-size 8]
-                                    [--max-tokens N] [--top-k 256] [--noise 0.05] [--threads N]
+                                    [--max-tokens N] [--top-k 256] [--noise 0.05] [--threads N] [--device cpu|cuda]
 
 The evaluated model is the reference with Gaussian noise (``--noise`` x each tensor's std, seed 0) added
 to every weight, so its KLD is not 0. Each variant runs in its own child process (so its peak RSS is its
@@ -16,6 +16,8 @@ own) with ``--threads`` torch threads:
 
 Prints tokens/s and its ratio to ``before``, peak RSS and the peak growth during the evaluation itself
 (VmHWM reset through /proc/self/clear_refs after loading), and the figures, so equal results can be seen.
+``--device cuda`` runs both models on the GPU and adds the peak device memory during the evaluation
+(`torch.cuda.max_memory_allocated` after loading, reset, minus what was allocated).
 With ``--model FILE.gguf`` a last row runs llama.cpp's ``llama-perplexity`` on the same file and text (``-c CTX``,
 ``--chunks`` covering the same tokens, ``-t THREADS``; built by ``bench/llama_cpp_tools.py`` on first use): its
 tokens/s is every token of every window through the model over the time its log stamps between starting the
@@ -56,7 +58,7 @@ def former_evaluate(model, tokens, ctx: int, stride: int, batch_size: int, refer
     nll_sum, ref_nll_sum, n, klds = 0.0, 0.0, 0, []
     with torch.inference_mode():
         for batch in _batches(windows, batch_size):
-            input_ids = torch.stack([tokens[w.begin : w.end] for w in batch])
+            input_ids = torch.stack([tokens[w.begin : w.end] for w in batch]).to(model.device)
             log_probs, ref_log_probs = scored_log_probs(model, input_ids, batch), scored_log_probs(reference, input_ids, batch)
             for i, w in enumerate(batch):
                 targets = input_ids[i, w.score_from - w.begin : w.end - w.begin]
@@ -65,7 +67,7 @@ def former_evaluate(model, tokens, ctx: int, stride: int, batch_size: int, refer
                 n += len(targets)
                 ref_lp, lp = ref_log_probs[i].double(), log_probs[i].double()
                 klds.append((ref_lp.exp() * (ref_lp - lp)).sum(dim=-1))
-    per_token = torch.cat(klds)
+    per_token = torch.cat(klds).cpu()
     return {"perplexity": math.exp(nll_sum / n), "tokens_scored": n, "kld": per_token.mean().item(),
             "kld_p99": float(np.percentile(per_token.numpy(), 99)), "ref_perplexity": math.exp(ref_nll_sum / n)}
 
@@ -94,13 +96,14 @@ def child(args) -> None:
     torch.set_num_threads(args.threads)
     ids = load_tokenizer(args.model)(args.text.read_text(encoding="utf-8"), add_special_tokens=False, verbose=False)["input_ids"]
     tokens = torch.tensor(ids[: args.max_tokens] if args.max_tokens else ids)
-    reference = load_model(args.model, torch.device("cpu"))
-    model = load_model(args.model, torch.device("cpu"))
-    gen = torch.Generator().manual_seed(0)
+    device = torch.device(args.device)
+    reference = load_model(args.model, device)
+    model = load_model(args.model, device)
+    gen = torch.Generator().manual_seed(0)  # on the CPU: the same noise on either device
     with torch.no_grad():
         for p in model.parameters():
-            p.add_(torch.randn(p.shape, generator=gen) * args.noise * p.std())
-    variant, kw = args.child, dict(ctx=args.ctx, stride=args.ctx, batch_size=args.batch_size)
+            p.add_(torch.randn(p.shape, generator=gen).to(device) * args.noise * p.std())
+    variant, kw = args.child, dict(ctx=args.ctx, stride=args.ctx, batch_size=args.batch_size, device=device)
     cache = load_reference_cache(args.cache) if variant == "cache" else None
     if variant in ("ppl only", "cache"):
         del reference
@@ -108,6 +111,11 @@ def child(args) -> None:
         del model
     _reset_peak()
     loaded = _rss_mib("VmRSS")
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        held = torch.cuda.memory_allocated()
     start = time.perf_counter()
     if variant == "before":
         figures = former_evaluate(model, tokens, args.ctx, args.ctx, args.batch_size, reference)
@@ -118,8 +126,12 @@ def child(args) -> None:
     else:
         result = evaluate(model, tokens, reference=reference if variant == "after" else None, reference_cache=cache, **kw)
         figures = {k: getattr(result, k) for k in ("perplexity", "tokens_scored", "kld", "kld_p99", "ref_perplexity")}
+    if cuda:
+        torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    print(json.dumps({**figures, "seconds": seconds, "peak_mib": _rss_mib("VmHWM"), "eval_mib": _rss_mib("VmHWM") - loaded}))
+    gpu_mib = (torch.cuda.max_memory_allocated() - held) / 2**20 if cuda else None
+    print(json.dumps({**figures, "seconds": seconds, "peak_mib": _rss_mib("VmHWM"), "eval_mib": _rss_mib("VmHWM") - loaded,
+                      "gpu_mib": gpu_mib}))
 
 
 def llama_perplexity(gguf: Path, text: Path, ctx: int, threads: int, max_tokens: int | None) -> dict:
@@ -152,6 +164,7 @@ def main() -> None:
     ap.add_argument("--top-k", type=int, default=256)
     ap.add_argument("--noise", type=float, default=0.05)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
     ap.add_argument("--variants", default=",".join(VARIANTS), help="comma-separated subset (cache needs save reference)")
     ap.add_argument("--child", choices=VARIANTS, help=argparse.SUPPRESS)
     ap.add_argument("--cache", type=Path, help=argparse.SUPPRESS)
@@ -165,7 +178,7 @@ def main() -> None:
         cache = Path(tmp) / "reference.safetensors"
         common = ["--model", str(model_dir), "--text", str(args.text), "--ctx", str(args.ctx), "--batch-size",
                   str(args.batch_size), "--top-k", str(args.top_k), "--noise", str(args.noise), "--threads",
-                  str(args.threads), "--cache", str(cache)] + (["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])
+                  str(args.threads), "--device", args.device, "--cache", str(cache)] + (["--max-tokens", str(args.max_tokens)] if args.max_tokens else [])
         rows = {}
         for variant in args.variants.split(","):
             out = subprocess.run([sys.executable, __file__, *common, "--child", variant], capture_output=True, text=True)
@@ -175,15 +188,17 @@ def main() -> None:
             rows[variant] = json.loads(out.stdout.strip().splitlines()[-1])
         cache_mib = cache.stat().st_size / 2**20 if cache.exists() else float("nan")
     print(f"model {args.model}, text {args.text.name}, ctx {args.ctx}, batch {args.batch_size}, "
-          f"{args.threads} thread(s), top-k {args.top_k} (cache file {cache_mib:.1f} MiB)\n")
-    print("| variant | tokens/s | × before | peak RSS (MiB) | growth during eval (MiB) | ppl | ref ppl | mean KLD | KLD p99 |")
-    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
+          f"{args.threads} thread(s), top-k {args.top_k} (cache file {cache_mib:.1f} MiB), device {args.device}\n")
+    print("| variant | tokens/s | × before | peak RSS (MiB) | growth during eval (MiB) | GPU growth (MiB) | ppl | ref ppl "
+          "| mean KLD | KLD p99 |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     anchor = rows.get("before")
     for variant, r in rows.items():
         tps = r["tokens_scored"] / r["seconds"]
         ratio = f"{tps / (anchor['tokens_scored'] / anchor['seconds']):.2f}" if anchor else "n/a"
         fmt = lambda key, spec: format(r[key], spec) if r.get(key) is not None else "-"  # noqa: E731
-        print(f"| {variant} | {tps:.0f} | {ratio} | {r['peak_mib']:.0f} | {r['eval_mib']:.0f} | {fmt('perplexity', '.4f')} "
+        print(f"| {variant} | {tps:.0f} | {ratio} | {r['peak_mib']:.0f} | {r['eval_mib']:.0f} | {fmt('gpu_mib', '.0f')} "
+              f"| {fmt('perplexity', '.4f')} "
               f"| {fmt('ref_perplexity', '.4f')} | {fmt('kld', '.6f')} | {fmt('kld_p99', '.5f')} |")
     if args.model.suffix == ".gguf":
         llama = llama_perplexity(args.model, args.text, args.ctx, args.threads, args.max_tokens)
