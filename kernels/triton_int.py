@@ -127,6 +127,24 @@ def _dequant_kernel(
 
 
 @triton.jit
+def _k_share(K, BLOCK_K: tl.constexpr, SPLIT_AXIS: tl.constexpr):
+    """This program's K blocks ``[first, last)`` under split-K (the grid's axis ``SPLIT_AXIS`` counts the slices)."""
+    k_blocks = tl.cdiv(K, BLOCK_K)
+    per_split = tl.cdiv(k_blocks, tl.num_programs(SPLIT_AXIS))
+    first = tl.program_id(SPLIT_AXIS) * per_split
+    return first, tl.minimum(first + per_split, k_blocks)
+
+
+@triton.jit
+def _emit(ptrs, acc, ok, SPLIT_AXIS: tl.constexpr):
+    """The partial sums out: added atomically where several K slices share the output (the buffer is zeroed)."""
+    if tl.num_programs(SPLIT_AXIS) > 1:
+        tl.atomic_add(ptrs, acc, mask=ok)
+    else:
+        tl.store(ptrs, acc, mask=ok)
+
+
+@triton.jit
 def _fused_kernel(
     x, sx_m, sx_k, words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx, acc_out, M, N, K, zero_offset,
     BITS: tl.constexpr, GROUP: tl.constexpr, HAS_ZEROS: tl.constexpr, HAS_GIDX: tl.constexpr,
@@ -136,11 +154,9 @@ def _fused_kernel(
     """``acc_out [M, N]`` float32 (zeroed) += ``x[:, ks] @ W[:, ks].T`` over this program's share of the K blocks."""
     m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_blocks = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_blocks, tl.num_programs(2))
-    first = tl.program_id(2) * per_split
+    first, last = _k_share(K, BLOCK_K, 2)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for kb in range(first, tl.minimum(first + per_split, k_blocks)):
+    for kb in range(first, last):
         k = kb * BLOCK_K + tl.arange(0, BLOCK_K)
         a = tl.load(x + m[:, None] * sx_m + k[None, :] * sx_k, mask=(m[:, None] < M) & (k[None, :] < K), other=0.0)
         w = _weight_tile(words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx, kb * BLOCK_K, n, K, N,
@@ -152,12 +168,7 @@ def _fused_kernel(
             acc += tl.dot(a.to(tl.float32), _cast(w, a.dtype).to(tl.float32), input_precision="ieee")
         else:
             acc += tl.dot(a, w.to(a.dtype))
-    ptrs = acc_out + m[:, None] * N + n[None, :]
-    ok = (m[:, None] < M) & (n[None, :] < N)
-    if tl.num_programs(2) > 1:
-        tl.atomic_add(ptrs, acc, mask=ok)
-    else:
-        tl.store(ptrs, acc, mask=ok)
+    _emit(acc_out + m[:, None] * N + n[None, :], acc, (m[:, None] < M) & (n[None, :] < N), 2)
 
 
 @triton.jit
@@ -173,11 +184,9 @@ def _gemv_kernel(
     code_mask: tl.constexpr = (1 << BITS) - 1
     rows = tl.arange(0, ROWS)
     n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    k_blocks = tl.cdiv(K, BLOCK_K)
-    per_split = tl.cdiv(k_blocks, tl.num_programs(1))
-    first = tl.program_id(1) * per_split
+    first, last = _k_share(K, BLOCK_K, 1)
     acc = tl.zeros((ROWS, BLOCK_N), dtype=tl.float32)
-    for kb in range(first, tl.minimum(first + per_split, k_blocks)):
+    for kb in range(first, last):
         if (GROUP % BLOCK_K == 0) & (HAS_GIDX == 0):  # the tile lies in one group: factor s and z out
             # codes as [words, per_word, n] and activations as [rows, words, per_word]: no reshape, so no
             # register shuffle; the sum over a word's codes stays in one thread
@@ -209,12 +218,7 @@ def _gemv_kernel(
             w = _weight_tile(words, sw_k, sw_n, scales, ss_g, ss_n, zeros, sz_g, sz_n, g_idx, kb * BLOCK_K, n, K, N,
                              zero_offset, BITS, GROUP, HAS_ZEROS, HAS_GIDX, BLOCK_K, BLOCK_N, UNPACK)
             acc += tl.sum(a[:, :, None] * w[None, :, :], axis=1)
-    ptrs = acc_out + rows[:, None] * N + n[None, :]
-    ok = (rows[:, None] < M) & (n[None, :] < N)
-    if tl.num_programs(1) > 1:
-        tl.atomic_add(ptrs, acc, mask=ok)
-    else:
-        tl.store(ptrs, acc, mask=ok)
+    _emit(acc_out + rows[:, None] * N + n[None, :], acc, (rows[:, None] < M) & (n[None, :] < N), 1)
 
 
 # Tile shapes the GPU autotuner tries (per N, K): the word-unpacking and the per-code loads, narrow and wide tiles.

@@ -37,35 +37,28 @@ def test_dequant_to_half_is_the_reference_rounded_once():
     assert torch.equal(triton_int.dequantize(desc, torch.bfloat16), reference(tensors).to(torch.bfloat16))
 
 
+# (kernel, block settings): the fused GEMM with the plain store and the atomic split-K reduction; gemv with
+# block_k 16 inside every group (scale and zero factored out, no g_idx) and 32 across groups of 16
+KERNEL_RUNS = {
+    "fused": [dict(block_n=32, block_k=32, split_k=s, unpack=u) for s, u in ((1, True), (2, True), (2, False))],
+    "gemv": [dict(block_n=16, block_k=k, split_k=s, unpack=u) for k, s, u in ((16, 1, True), (16, 3, True), (32, 2, True),
+                                                                             (32, 1, False))],
+}
+
+
 @pytest.mark.parametrize("layout,bits,symmetric,group_size,shape", [
     ("pack-quantized", 4, True, 16, (37, 80)), ("pack-quantized", 4, False, 32, (24, 160)),
-    ("gptq", 4, False, 16, (40, 80)), ("gptq", 8, True, 32, (32, 96)),
-])
-@pytest.mark.parametrize("m", [1, 3, 16])
-def test_fused_matmul_matches_reference(layout, bits, symmetric, group_size, shape, m):
-    tensors, reference, desc = int_layer(layout, bits, symmetric, group_size, shape, act_order=layout == "gptq")
-    x = random_weight((m, shape[1]), seed=m)
-    expected = x.double() @ reference(tensors).double().t()
-    for split_k, unpack in ((1, True), (2, True), (2, False)):  # the plain store and the atomic split-K reduction
-        y = triton_int.fused_matmul(x, desc, block_n=32, block_k=32, split_k=split_k, unpack=unpack)
-        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-4)
-
-
-@pytest.mark.parametrize("layout,bits,symmetric,group_size,shape", [
-    ("pack-quantized", 4, True, 32, (37, 96)), ("pack-quantized", 4, False, 16, (24, 160)),
     ("pack-quantized", 8, False, 64, (20, 128)), ("pack-quantized", 2, True, 32, (33, 64)),
     ("gptq", 4, False, 16, (40, 80)), ("gptq", 8, True, 32, (32, 96)),
 ])
-@pytest.mark.parametrize("m", [1, 3, 4])
-def test_gemv_matches_reference(layout, bits, symmetric, group_size, shape, m):
+@pytest.mark.parametrize("kernel,m", [("fused", 1), ("fused", 3), ("fused", 16), ("gemv", 1), ("gemv", 3), ("gemv", 4)])
+def test_small_batch_kernels_match_reference(layout, bits, symmetric, group_size, shape, kernel, m):
     tensors, reference, desc = int_layer(layout, bits, symmetric, group_size, shape, act_order=layout == "gptq")
     x = random_weight((m, shape[1]), seed=m)
     expected = x.double() @ reference(tensors).double().t()
-    # block_k 16 inside every group (scale and zero factored out, no g_idx), 32 across groups of 16, the
-    # plain store and the atomic split-K reduction
-    for block_k, split_k, unpack in ((16, 1, True), (16, 3, True), (32, 2, True), (32, 1, False)):
-        y = triton_int.gemv(x, desc, block_n=16, block_k=block_k, split_k=split_k, unpack=unpack)
-        torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-4)
+    run = triton_int.fused_matmul if kernel == "fused" else triton_int.gemv
+    for settings in KERNEL_RUNS[kernel]:
+        torch.testing.assert_close(run(x, desc, **settings).double(), expected, rtol=1e-5, atol=1e-4)
 
 
 def test_gemv_half_activations_and_the_batch_limit():
