@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from compress.quantizers.grid import group_extremes
+from compress.quantizers.grid import divide, group_extremes
 from compress.errors import CompressError
 
 
@@ -335,10 +335,10 @@ def compute_qparams(
     low, high = extremes if extremes is not None else group_extremes(w, scheme)
     absmax = _share_rows(torch.maximum(-low, high).abs_() * shrink, scheme.block_rows)  # max |w| (abs_: no -0)
     if scheme.grid is FloatGrid.FP8:
-        scale = absmax / FloatFormat.E4M3.max
+        scale = divide(absmax, FloatFormat.E4M3.max)
         scale = torch.where(scale > 0, scale, torch.ones_like(scale))  # an all-zero group: any scale is exact
     elif scheme.grid is FloatGrid.NVFP4:
-        local = _global_tensor(scheme, absmax.device) * (absmax / FloatFormat.E2M1.max)
+        local = _global_tensor(scheme, absmax.device) * divide(absmax, FloatFormat.E2M1.max)
         scale = round_to_format(local, FloatFormat.E4M3)
         scale = torch.where(scale == 0, torch.full_like(scale, NVFP4_SCALE_EPS), scale)
     else:

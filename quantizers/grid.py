@@ -120,6 +120,15 @@ def _grouped(w: torch.Tensor, scheme: QuantScheme) -> torch.Tensor:
     return w.reshape(out_features, scheme.groups(in_features), scheme.group_width(in_features))
 
 
+def divide(t: torch.Tensor, value: float) -> torch.Tensor:
+    """``t / value``, the correctly rounded float32 quotient on every device. CUDA computes ``tensor / number``
+    as a product with the number's float32 reciprocal, an ulp off the quotient for divisors such as 7.5, 15, 448
+    or 6; the scale of a group whose extreme is ±7.5 steps then rounds that weight the other way, and RTN w4
+    g64 of SmolLM2's 8 blocks measured KLD 0.26158 on an H200 against 0.23985 here (reproduced here by
+    multiplying by the reciprocal). A divisor tensor on ``t``'s device takes the true division everywhere."""
+    return t / t.new_full((), value)
+
+
 def group_extremes(w: torch.Tensor, scheme) -> tuple[torch.Tensor, torch.Tensor]:
     """Each (row, group)'s smallest and largest value of ``w [out, in]``, float32 ``[out, n_groups]`` (any grid)."""
     g = _grouped(w.float(), scheme)  # any grid: only its groups() and group_width() are read
@@ -137,12 +146,12 @@ def compute_qparams(
     low, high = extremes if extremes is not None else group_extremes(w, scheme)
     if scheme.symmetric:
         absmax = torch.maximum(-low, high).abs_() * shrink  # max |w|, exactly (abs_: no -0 of an all-zero group)
-        scale = absmax / (scheme.max_code / 2)
+        scale = divide(absmax, scheme.max_code / 2)
         zero = torch.full_like(scale, float(1 << (scheme.bits - 1)))
     else:
         lo = low.clamp(max=0) * shrink
         hi = high.clamp(min=0) * shrink
-        scale = (hi - lo) / scheme.max_code
+        scale = divide(hi - lo, scheme.max_code)
         zero = torch.round(-lo / torch.where(scale > 0, scale, 1.0)).clamp(0, scheme.max_code)
     # An all-zero group: any positive scale reproduces it exactly (q == z).
     scale = torch.where(scale > 0, scale, torch.ones_like(scale))

@@ -254,3 +254,26 @@ def test_rounding_error_is_the_round_trip_error(bits, sym, gs, shape, shrink):
     q = np.clip(np.rint(w.numpy() / expand_groups(scale.numpy(), shape[1])) + expand_groups(zero.numpy(), shape[1]), 0, 2**bits - 1)
     expected = w.numpy() - expand_groups(scale.numpy(), shape[1]) * (q - expand_groups(zero.numpy(), shape[1]))
     np.testing.assert_allclose(scheme.rounding_error(w, scale, zero).numpy(), expected, rtol=0, atol=1e-6)
+
+
+def test_divide_is_the_correctly_rounded_quotient():
+    """Not a product with the reciprocal (what CUDA does for ``tensor / number``): 7.5, 15, 448 and 6 have
+    inexact float32 reciprocals, and the product misses the quotient by an ulp for some dividends."""
+    from compress.quantizers.grid import divide
+
+    t = torch.rand(100_000, generator=torch.Generator().manual_seed(0)) * 3
+    for value in (7.5, 15.0, 127.5, 448.0, 6.0):
+        exact = (t.double() / value).float()  # float64 quotient rounded once: the correctly rounded float32 one
+        assert torch.equal(divide(t, value), exact)
+        assert not torch.equal(t * (torch.tensor(1.0) / torch.tensor(value)), exact)  # the product does differ
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_qparams_are_the_same_on_cuda(symmetric):
+    from compress.quantizers.grid import compute_qparams
+
+    w = torch.randn(64, 256, generator=torch.Generator().manual_seed(1))
+    scheme = QuantScheme(4, symmetric, 64)
+    for cpu, gpu in zip(compute_qparams(w, scheme), compute_qparams(w.cuda(), scheme)):
+        assert torch.equal(cpu, gpu.cpu())
