@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from compress.quantizers.float_grid import FloatFormat, FloatGrid, FloatScheme, nvfp4_global_scale
+from compress.quantizers.grid import divide
 
 
 class ActGranularity(str, enum.Enum):
@@ -163,7 +164,7 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, scale: torch
         return _quantize_float(x, scheme, scale)
     xf = x.float()
     if scheme.dynamic:
-        s = xf.abs().amax(dim=-1, keepdim=True) / scheme.qmax
+        s = divide(xf.abs().amax(dim=-1, keepdim=True), scheme.qmax)  # the same quotient on every device
         s = torch.where(s > 0, s, torch.ones_like(s))
     else:
         if scale is None:

@@ -29,6 +29,7 @@ import torch
 from compress.errors import CompressError
 from compress.formats.gguf.codecs import decode_tensor, encode_tensor
 from compress.formats.gguf.sizes import GGMLType
+from compress.quantizers.grid import divide
 
 FP8_E4M3_MAX = 448.0
 GGML_BLOCK = 32  # values per Q8_0 / Q4_0 block
@@ -85,7 +86,7 @@ def int_round_trip(x: torch.Tensor, bits: int, scale: torch.Tensor | None = None
     xf = x.float()
     if scale is None:
         qmax = (1 << (bits - 1)) - 1
-        s = _positive(xf.abs().amax(dim=-1, keepdim=True) / qmax)
+        s = _positive(divide(xf.abs().amax(dim=-1, keepdim=True), qmax))  # the same quotient on every device
         lo, hi = -qmax, qmax
     else:
         s = _broadcast_scale(scale, x)
@@ -131,5 +132,5 @@ def scale_from_amax(amax: torch.Tensor, fmt: KVCacheFormat) -> torch.Tensor:
         half_range = 255 / 2  # compressed-tensors: (q_max − q_min) / 2
     else:
         raise CompressError(f"a {fmt.value} KV cache has no calibrated scale: calibrate fp8 or int8")
-    scale = amax.float() / half_range
+    scale = divide(amax.float(), half_range)
     return torch.where(scale > 0, scale, torch.full_like(scale, torch.finfo(torch.float32).eps))
