@@ -173,14 +173,20 @@ class MappedTensor:
     data: np.ndarray  # uint8 [n_bytes]
 
 
+def whole_tensor_infos(path: Path) -> list[TensorInfo]:
+    """`tensor_infos`, each tensor's bytes checked to lie inside the file: a file that ends inside one is a one-line
+    error."""
+    infos, size = tensor_infos(path), path.stat().st_size
+    for info in infos:
+        if info.data_offset + info.n_bytes > size:
+            raise CompressError(f"{path} is truncated: tensor {info.name} ends at byte {info.data_offset + info.n_bytes} of {size}")
+    return infos
+
+
 def mapped_tensors(path: Path) -> list[MappedTensor]:
-    """Every tensor of ``path`` (`tensor_infos`) over one read-only memory map, or a one-line error for a file that
-    ends inside one."""
+    """Every tensor of ``path`` (`whole_tensor_infos`) over one read-only memory map."""
     from gguf import GGMLQuantizationType
 
-    infos = tensor_infos(path)
+    infos = whole_tensor_infos(path)
     data = np.memmap(path, dtype=np.uint8, mode="r")
-    for info in infos:
-        if info.data_offset + info.n_bytes > data.size:
-            raise CompressError(f"{path} is truncated: tensor {info.name} ends at byte {info.data_offset + info.n_bytes} of {data.size}")
     return [MappedTensor(i.name, GGMLQuantizationType(i.tensor_type), i.shape, data[i.data_offset : i.data_offset + i.n_bytes]) for i in infos]

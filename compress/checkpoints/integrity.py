@@ -49,17 +49,9 @@ def sha256_file(path: Path) -> str:
 
 
 def _gguf_spans(path: Path) -> list[tuple[int, int, str]]:
-    from compress.checkpoints.gguf_file import tensor_infos
+    from compress.checkpoints.gguf_file import whole_tensor_infos
 
-    size = path.stat().st_size
-    spans = []
-    for tensor in tensor_infos(path):
-        begin = tensor.data_offset
-        end = begin + tensor.n_bytes
-        if end > size:
-            raise CompressError(f"{path} is truncated: tensor {tensor.name} ends at byte {end} of {size}")
-        spans.append((begin, end, tensor.name))
-    return spans
+    return [(t.data_offset, t.data_offset + t.n_bytes, t.name) for t in whole_tensor_infos(path)]
 
 
 def _tensor_spans(path: Path, name: str | None = None) -> list[tuple[int, int, str]] | None:
