@@ -204,7 +204,8 @@ def quiet_disk() -> None:
 def ours(args, model: Path, out: Path) -> tuple[float, dict]:
     """Our wall time as a user waits for it, measured as the anchor's is: a fresh interpreter from its start (the
     imports of torch and ours, which ``start`` counts), with what the ``compress`` command sets for the process (its
-    allocator policy, `compress.cli.app.fix_mmap_threshold`); and that process's phases and peak RSS."""
+    allocator policy, `compress.cli.app.fix_mmap_threshold`) and its exit (`compress.cli.console.finish_process`); and
+    that process's phases and peak RSS."""
     report = out.parent / "ours-phases.json"
     spec = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "model": str(model),
             "out": str(out), "report": str(report)}
@@ -221,6 +222,7 @@ def _child(spec: dict) -> None:
     import torch
 
     from compress.cli.app import fix_mmap_threshold
+    from compress.cli.console import finish_process
     from compress.run.recipe import parse_recipe
     from compress.run.runner import run_recipe
 
@@ -243,6 +245,7 @@ def _child(spec: dict) -> None:
     device = torch.cuda.max_memory_allocated() / 1e9 if args.device == "cuda" else None
     Path(spec["report"]).write_text(json.dumps({"run": run, "seconds": dict(clock.seconds), "calls": dict(clock.calls),
                                                 "rss_gb": peak_rss_gb(), "device_gb": device}))
+    finish_process(0)  # the process ends as the `compress` command's does (`compress.cli.app.main`)
 
 
 def _setting(item: str) -> tuple[str, object]:

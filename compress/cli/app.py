@@ -9,7 +9,7 @@ import sys
 import typer
 
 from compress import __version__
-from compress.cli.console import install_signal_handlers, quiet_other_ranks, stdout
+from compress.cli.console import finish_process, install_signal_handlers, quiet_other_ranks, stdout
 
 app = typer.Typer(
     name="compress",
@@ -67,5 +67,10 @@ _register_commands()
 def main() -> None:
     install_signal_handlers()  # the process is ours: SIGTERM stops a run as Ctrl-C does, cleaning up
     quiet_other_ranks()
-    app()
+    code: int | str | None = 0
+    try:
+        app()
+    except SystemExit as done:  # Typer ends every command, successful or not, with sys.exit
+        code = done.code
+    finish_process(code)  # a traceback (a bug) is not caught: it exits the usual way
 

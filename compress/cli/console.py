@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import json
@@ -9,6 +10,7 @@ import os
 import shlex
 import signal
 import sys
+import threading
 from typing import Any, Callable, Iterator
 
 import typer
@@ -60,6 +62,28 @@ def install_signal_handlers() -> None:
     leaving its temporary output behind). Only the process owner (`compress.cli.app.main`) calls this."""
     for signum in (signal.SIGTERM, signal.SIGHUP):
         signal.signal(signum, _terminate)
+
+
+def finish_process(code: int | str | None) -> None:
+    """End the process as the interpreter's own exit does, less its last step: the module teardown.
+
+    Python's exit stops the threads (the thread pools' exit hooks, then a join of every non-daemon thread), runs the
+    ``atexit`` handlers (logging's flush, temporary directories' cleanup ...), flushes stdout and stderr, and then
+    frees the objects of every loaded module one by one. With torch and transformers loaded that last step took
+    0.7-1.0 s on a 2-core machine (``import torch._dynamo``, then exit: 2.88 s against 2.23 s), a wait after the
+    work is done and every file is closed. Only the process owner (`compress.cli.app.main`) calls this; the exit
+    status is ``code``'s as `sys.exit` reads it (None 0, a message printed to stderr and 1)."""
+    shutdown = getattr(threading, "_shutdown", None)  # private, but what the interpreter itself calls on exit
+    if shutdown is not None and threading.current_thread() is threading.main_thread():
+        shutdown()
+    atexit._run_exitfuncs()
+    if isinstance(code, str):
+        print(code, file=sys.stderr)
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):  # a closed or broken pipe: nothing more can reach it anyway
+            stream.flush()
+    os._exit(0 if code is None else int(code))
 
 
 def user_errors(fn: Callable) -> Callable:
