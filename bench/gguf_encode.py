@@ -1,16 +1,21 @@
 """Encoding speed of our GGUF k-quant encoders next to llama.cpp's quantizer, on the same F16 file.
 
-    python bench/gguf_encode.py [--model eval/assets/reference-llama] [--types q4_k q6_k q8_0] [--threads 1]
+    python bench/gguf_encode.py [--model eval/assets/reference-llama | --random tinyllama --blocks 2] [--types q4_k q6_k q8_0]
+                                [--threads 1]
 
 Writes the model as an F16 GGUF with our exporter, then times both alike, from that file on disk to the encoded
 bytes written to disk (what the disk cache holds is the same for both: the F16 file was just written):
 - ours: every 2-D F16 tensor of that file, memory-mapped (`compress.checkpoints.gguf_file.mapped_tensors`),
-  converted to float32 and encoded with `encode_tensor`, its bytes written to a file (one process pinned to
-  ``--threads`` CPUs, torch limited to as many threads);
+  converted to float32 and encoded as the export encodes it (`compress.export.encoding_pool.export_encoder`: on
+  ``--threads`` worker processes, started inside the timing, when the searched encodings are large enough, else in
+  this process), its bytes written to a file (the process pinned to ``--threads`` CPUs, torch limited to as many
+  threads);
 - llama.cpp: ``llama_model_quantize`` (llama-cpp-python) of the same file with ``pure`` set, so every
   matrix gets the type, with ``--threads`` threads (wall time of the call: its reading, encoding and writing).
 Speed is F16 megabytes in per second. Also checks that both wrote the same bytes. (Before stop 41 ours was timed
-without its reading and writing.)
+without its reading and writing.) ``--random tinyllama --blocks 2`` writes (once, cached) a random checkpoint of
+TinyLlama-1.1B's shapes (`bench/pipeline.py`'s `random_checkpoint`; 219 M weights, every width a multiple of 256,
+so every matrix takes the k-quant), large enough for the encoding to repay starting worker processes.
 """
 
 from __future__ import annotations
@@ -18,13 +23,14 @@ from __future__ import annotations
 import argparse
 import tempfile
 import time
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 
 from compress.checkpoints.gguf_file import mapped_tensors
 from compress.export.gguf import ExportConfig, export_gguf
-from compress.formats.gguf.codecs import encode_tensor
+from compress.export.encoding_pool import export_encoder, read_ahead, searched_weights
 from compress.formats.gguf.plan import FILE_TYPE, PRESETS, Target
 from compress.formats.gguf.sizes import GGMLType
 
@@ -44,10 +50,14 @@ def ours(path: Path, kind: GGMLType, out: Path) -> tuple[float, dict[str, bytes]
     """Seconds from the F16 file to ``out`` written: each matrix read, encoded and written in turn; and the bytes."""
     start = time.perf_counter()
     encoded = {}
-    with out.open("wb") as sink:
-        for tensor in f16_matrices(path):
+    matrices = f16_matrices(path)
+    with out.open("wb") as sink, export_encoder(searched_weights([(t.shape, kind) for t in matrices], False)) as encoder:
+
+        def read_tensor(tensor) -> list:  # read and handed to the encoder, as the export does (`read_ahead`)
             cols, rows = tensor.shape
-            data = encode_tensor(np.asarray(tensor.data).view(np.float16).reshape(rows, cols).astype(np.float32), kind)
+            return [encoder.submit(np.asarray(tensor.data).view(np.float16).reshape(rows, cols), kind)]  # made float32 there
+
+        for tensor, (data,) in zip(matrices, read_ahead((t.data.size, partial(read_tensor, t)) for t in matrices)):
             sink.write(data.tobytes())
             encoded[tensor.name] = data
     seconds = time.perf_counter() - start
@@ -65,6 +75,8 @@ def llama_cpp_quantize(src: Path, dst: Path, target: Target, threads: int) -> fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=REPO / "eval" / "assets" / "reference-llama")
+    ap.add_argument("--random", choices=["tinyllama", "llama3-8b"], help="a random-weight checkpoint of these shapes instead")
+    ap.add_argument("--blocks", type=int, default=2, help="its decoder blocks (--random)")
     ap.add_argument("--types", nargs="+", default=["q4_k", "q6_k"], choices=sorted(KINDS))
     ap.add_argument("--threads", type=int, default=1, help="CPUs for ours and llama.cpp quantize threads")
     args = ap.parse_args()
@@ -77,6 +89,10 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     from gguf import GGUFReader
 
+    if args.random:
+        from pipeline import random_checkpoint
+
+        args.model = random_checkpoint(args.random, args.blocks)
     with tempfile.TemporaryDirectory() as tmp:
         f16 = Path(tmp) / "model-f16.gguf"
         export_gguf(ExportConfig(args.model, f16, Target.f16))

@@ -54,6 +54,13 @@ RANDOM_SHAPES = {
         "max_position_embeddings": 8192, "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "hidden_act": "silu",
         "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "bos_token_id": 0, "eos_token_id": 0,
     },
+    # TinyLlama-1.1B's: every width a multiple of 256, so the k-quants apply to every matrix (bench/gguf_encode.py)
+    "tinyllama": {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 2048, "intermediate_size": 5632,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 64, "vocab_size": 32000,
+        "max_position_embeddings": 2048, "rms_norm_eps": 1e-5, "rope_theta": 10000.0, "hidden_act": "silu",
+        "tie_word_embeddings": False, "attention_bias": False, "mlp_bias": False, "bos_token_id": 0, "eos_token_id": 0,
+    },
 }
 # ours: recipe stage; llm-compressor: modifier and scheme (see bench/anchors/llmcompressor_oneshot.py). GPTQ with
 # min-max grids on both sides (llm-compressor's default observer; ours searches the clipping by default).

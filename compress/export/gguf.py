@@ -29,10 +29,12 @@ import contextlib
 import enum
 import json
 import logging
+import math
 import os
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Callable, Mapping, NamedTuple
 
@@ -45,11 +47,11 @@ from compress.checkpoints.model_io import open_model
 from compress.checkpoints.output import OutputLock, check_outside_input, disk_error, run_inputs
 from compress.checkpoints.shards import CheckpointReader
 from compress.errors import CompressError
+from compress.export.encoding_pool import Pending, export_encoder, read_ahead, searched_weights
 from compress.export.gguf_arch import (
     ARCHITECTURES, NORM_SHIFT, PERMUTED_ARCHS, TRANSPOSED_ARCHS, add_metadata, expert_count, read_config,
 )
 from compress.formats.gguf import plan
-from compress.formats.gguf.codecs import encode_tensor
 from compress.formats.gguf.imatrix import read_imatrix
 from compress.formats.gguf.plan import Target
 from compress.formats.gguf.sizes import GGMLType, row_bytes
@@ -354,9 +356,13 @@ def export_gguf(
         writer.write_header_to_file()
         writer.write_kv_data_to_file()
         writer.write_ti_data_to_file()
-        def encode(name: str, gname: str, kind: GGMLType, shape: list[int]) -> np.ndarray:
-            """One checkpoint tensor in its GGUF form (an expert: its slice of the stacked tensor)."""
-            given = encoded.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+
+        def given_bytes(name: str) -> tuple[GGMLType, np.ndarray] | None:
+            return encoded.get(name.removesuffix(".weight")) if name.endswith(".weight") else None
+
+        def encode(name: str, gname: str, kind: GGMLType, shape: list[int]) -> Pending:
+            """One checkpoint tensor in its GGUF form (an expert: its slice of the stacked tensor), being encoded."""
+            given = given_bytes(name)
             if given is not None:
                 if given[0] != kind or given[1].shape != (shape[-2], row_bytes(kind, shape[-1])):
                     raise CompressError(f"{name}: calibrated as {given[0].name} but the plan gives {kind.name}: rerun the export")
@@ -369,17 +375,22 @@ def export_gguf(
                     rows = rows + NORM_SHIFT[arch]
             if arch in PERMUTED_ARCHS and gname.startswith("blk.") and gname.split(".")[2] in ("attn_q", "attn_k"):
                 rows = permute_rope(rows, heads if gname.split(".")[2] == "attn_q" else kv_heads)
-            data = rows.numpy()
-            if given is None:
-                entry = imatrix.entries.get(gname) if imatrix is not None and len(shape) > 1 else None
-                data = encode_tensor(data, kind, _importance(entry, gname, name, shape[-1]) if entry is not None else None)
-            return np.ascontiguousarray(data).reshape(-1)
+            if given is not None:
+                return Pending(value=rows.numpy())
+            entry = imatrix.entries.get(gname) if imatrix is not None and len(shape) > 1 else None
+            return encoder.submit(rows.numpy(), kind, _importance(entry, gname, name, shape[-1]) if entry is not None else None)
 
-        for i, (sources, gname, kind, shape) in enumerate(entries):
-            parts = [encode(name, gname, kind, shape) for name in sources]  # experts stacked in order
-            writer.write_tensor_data(parts[0] if len(parts) == 1 else np.concatenate(parts))
-            if progress:
-                progress("writing tensors", i + 1, len(entries))
+        to_encode = [(shape, kind) for sources, _, kind, shape in entries if any(given_bytes(n) is None for n in sources)]
+        with export_encoder(searched_weights(to_encode, imatrix is not None)) as encoder:  # worker processes if large
+            def read_tensor(sources: list[str], gname: str, kind: GGMLType, shape: list[int]) -> list[Pending]:
+                return [encode(name, gname, kind, shape) for name in sources]  # experts stacked in order
+
+            jobs = ((math.prod(entry[3]), partial(read_tensor, *entry)) for entry in entries)
+            for written, parts in enumerate(read_ahead(jobs), 1):  # the next tensors are read while these are encoded
+                data = [np.ascontiguousarray(part).reshape(-1) for part in parts]
+                writer.write_tensor_data(data[0] if len(data) == 1 else np.concatenate(data))
+                if progress:
+                    progress("writing tensors", written, len(entries))
     if result.fallbacks:  # as llama-quantize's "tensor cols N are not divisible by M, falling back"
         counts = Counter(f"{f['planned']}→{f['written']}" for f in result.fallbacks)
         result.notes.append(f"{len(result.fallbacks)} tensors fell back (row length not a multiple of the type's block, "

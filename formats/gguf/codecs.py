@@ -33,7 +33,7 @@ CHUNK_ELEMENTS = 1 << 16
 POOL_CHUNK_ELEMENTS = 1 << 19
 
 
-def _usable_cpus() -> int:
+def usable_cpus() -> int:
     """The CPUs this process may run on (its affinity: ``taskset``, a container's cpuset), else all."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
 
@@ -112,7 +112,7 @@ def in_chunks(n: int, block: int, work: Callable[[slice], None]) -> None:
     """``work(part)`` over ``n`` blocks of ``block`` weights, ``part`` a slice of them: `CHUNK_ELEMENTS` at a time on
     one worker, `POOL_CHUNK_ELEMENTS` at a time on a thread pool of the CPUs this process may use (at most torch's
     thread count: processes sharing a machine set that, and a pool of its own would oversubscribe the cores)."""
-    workers = min(-(-n * block // POOL_CHUNK_ELEMENTS), _usable_cpus(), torch.get_num_threads())
+    workers = min(-(-n * block // POOL_CHUNK_ELEMENTS), usable_cpus(), torch.get_num_threads())
     step = max(1, (POOL_CHUNK_ELEMENTS if workers > 1 else CHUNK_ELEMENTS) // block)
     parts = [slice(start, start + step) for start in range(0, n, step)]
     # torch's intra-op threads off: the chunks already run on a pool, and torch splitting each small op over

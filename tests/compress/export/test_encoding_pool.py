@@ -1,0 +1,88 @@
+"""GGUF encoding on worker processes: the bytes are `encode_tensor`'s (itself checked against ggml's quantizer in
+tests/formats/gguf/test_ggml_reference.py), whatever the slicing; errors come back as one line."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from compress.errors import CompressError
+from compress.export import encoding_pool
+from compress.export.encoding_pool import TensorEncoder, searched, searched_weights
+from compress.formats.gguf.codecs import encode_tensor
+from compress.formats.gguf.sizes import GGMLType
+
+
+@pytest.fixture
+def small_slices(monkeypatch):
+    """Slices of a few rows, so that a small tensor is cut into many, handed out to both workers in turn."""
+    monkeypatch.setattr(encoding_pool, "MIN_SLICE_WEIGHTS", 1 << 10)
+    monkeypatch.setattr(encoding_pool, "MAX_SLICE_WEIGHTS", 1 << 12)
+
+
+def weights(rows: int, cols: int, seed: int = 0) -> np.ndarray:
+    return (np.random.default_rng(seed).standard_t(4, size=(rows, cols)) * 0.02).astype(np.float32)
+
+
+def test_workers_write_the_bytes_of_one_process(small_slices):
+    w = weights(37, 512)  # 37 rows: the last slice is short
+    importance = np.random.default_rng(1).gamma(0.5, 2.0, 512).astype(np.float32)
+    stacked = weights(3 * 8, 256, seed=2).reshape(3, 8, 256)  # experts: rows across the leading axes
+    with TensorEncoder(2) as encoder:
+        assert [s.stop - s.start for s in encoder._slices(37, 512)] == [8, 8, 8, 8, 5]
+        for kind in (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.IQ4_XS):
+            assert np.array_equal(encoder.encode(w, kind), encode_tensor(w, kind)), kind
+            assert np.array_equal(encoder.encode(w, kind, importance), encode_tensor(w, kind, importance)), kind
+        assert np.array_equal(encoder.encode(stacked, GGMLType.Q3_K), encode_tensor(stacked, GGMLType.Q3_K))
+        assert len(encoder._processes) == 2  # started once, reused by every tensor
+
+
+def test_an_encoder_error_comes_back_as_itself(small_slices):
+    with TensorEncoder(2) as encoder, pytest.raises(CompressError, match="needs an importance matrix"):
+        encoder.encode(weights(16, 256), GGMLType.IQ2_XXS)  # checked in the worker, raised here
+    with TensorEncoder(2) as encoder, pytest.raises(CompressError, match="cannot be stored as Q4_K"):
+        encoder.encode(weights(1024, 96), GGMLType.Q4_K)
+
+
+def test_a_worker_that_died_is_a_one_line_error(small_slices):
+    w = weights(64, 256)
+    with TensorEncoder(2) as encoder:
+        encoder.encode(w, GGMLType.Q4_K)
+        encoder._processes[1].process.kill()
+        with pytest.raises(CompressError, match=r"worker process ended \(exit status -9.*OMP_NUM_THREADS=1"):
+            encoder.encode(w, GGMLType.Q4_K)
+
+
+def test_direct_roundings_stay_in_this_process():
+    """Q8_0 and the legacy types' plain rounding cost less than handing the weights over; with an importance matrix
+    the legacy types search (ggml's weighted fits), Q8_0 ignores it."""
+    assert not searched(GGMLType.Q8_0, False) and not searched(GGMLType.Q8_0, True)
+    assert not searched(GGMLType.Q4_0, False) and searched(GGMLType.Q4_0, True)
+    assert searched(GGMLType.Q4_K, False) and searched(GGMLType.IQ4_NL, False)
+    assert not searched(GGMLType.F16, False)
+    assert searched_weights([((8, 256), GGMLType.Q6_K), ((256,), GGMLType.Q6_K), ((8, 256), GGMLType.Q8_0)], False) == 2048
+    with TensorEncoder(2) as encoder:
+        encoder.encode(weights(2048, 256), GGMLType.Q8_0)
+        assert not encoder._processes
+
+
+def test_an_export_on_workers_writes_the_same_tensors(tmp_path, monkeypatch, small_slices):
+    from compress.checkpoints.gguf_file import mapped_tensors
+    from compress.export.gguf import ExportConfig, export_gguf
+    from compress.formats.gguf.plan import Target
+    from conftest import REFERENCE_MODEL
+
+    def tensors(path):
+        return {t.name: bytes(np.asarray(t.data).view(np.uint8)) for t in mapped_tensors(path)}
+
+    started = []
+    monkeypatch.setattr(encoding_pool, "usable_cpus", lambda: 2)
+    monkeypatch.setattr(encoding_pool.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(encoding_pool._Worker, "__init__", lambda self, start=encoding_pool._Worker.__init__: (started.append(1), start(self))[1])
+    monkeypatch.setattr(encoding_pool, "MIN_POOL_WEIGHTS", 1 << 40)
+    export_gguf(ExportConfig(REFERENCE_MODEL, tmp_path / "here.gguf", Target("q4_k_m")))
+    assert not started
+    monkeypatch.setattr(encoding_pool, "MIN_POOL_WEIGHTS", 0)
+    export_gguf(ExportConfig(REFERENCE_MODEL, tmp_path / "workers.gguf", Target("q4_k_m")))
+    assert len(started) == 2
+    assert tensors(tmp_path / "workers.gguf") == tensors(tmp_path / "here.gguf")
