@@ -213,7 +213,7 @@ class TensorEncoder:
     def submit(self, weight: np.ndarray, kind: GGMLType, importance: np.ndarray | None = None) -> Pending:
         w = np.asarray(weight)
         if self.workers == 1 or w.ndim < 2 or w.size < MIN_SLICE_WEIGHTS or not searched(kind, importance is not None):
-            return Pending(value=encode_tensor(w.astype(np.float32, copy=False), kind, importance))
+            return Pending(value=encode_tensor(w, kind, importance))
         rows = w.reshape(-1, w.shape[-1])
         check_shape(kind, rows.shape[1])  # here, not once per slice in the workers
         shared = self._buffer(w.size * 4) if SHARED_ROWS else None

@@ -194,3 +194,17 @@ def test_iq3_s_unpack_inverts_pack():
     w[1] = 1e-3
     data = encode_tensor(w, GGMLType.IQ3_S).reshape(-1, 110)
     assert np.array_equal(iq3_s.pack(*iq3_s.unpack(data)), data)
+
+
+@pytest.mark.parametrize("kind", [GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.IQ4_NL], ids=lambda k: k.name)
+def test_float16_weights_encode_as_their_float32_values(kind, monkeypatch):
+    """An F16 file's weights are made float32 a chunk at a time (several chunks here): the bytes of the float32
+    values, which test_ggml_reference.py checks against ggml's, with and without an importance vector."""
+    import compress.formats.gguf.codecs as codecs
+
+    monkeypatch.setattr(codecs, "CHUNK_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(codecs, "POOL_CHUNK_ELEMENTS", 1 << 13)
+    w = (np.random.default_rng(3).standard_normal((64, 512)) * 0.02).astype(np.float16)
+    importance = np.random.default_rng(4).gamma(0.5, 2.0, 512).astype(np.float32)
+    assert np.array_equal(encode_tensor(w, kind), encode_tensor(w.astype(np.float32), kind))
+    assert np.array_equal(encode_tensor(w, kind, importance), encode_tensor(w.astype(np.float32), kind, importance))
