@@ -288,8 +288,11 @@ def _serve() -> None:
             rows = None
             if mapping is not None:
                 mapping.close()
-        pickle.dump(reply, replies, protocol=pickle.HIGHEST_PROTOCOL)
-        replies.flush()
+        try:
+            pickle.dump(reply, replies, protocol=pickle.HIGHEST_PROTOCOL)
+            replies.flush()
+        except BrokenPipeError:  # the parent is gone (killed): nobody to answer
+            return
 
 
 if __name__ == "__main__":
