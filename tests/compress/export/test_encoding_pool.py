@@ -86,3 +86,17 @@ def test_an_export_on_workers_writes_the_same_tensors(tmp_path, monkeypatch, sma
     export_gguf(ExportConfig(REFERENCE_MODEL, tmp_path / "workers.gguf", Target("q4_k_m")))
     assert len(started) == 2
     assert tensors(tmp_path / "workers.gguf") == tensors(tmp_path / "here.gguf")
+
+
+def test_leaving_early_drops_the_queued_slices_and_ends_the_workers(small_slices):
+    """Ctrl-C or SIGTERM unwinds through the encoder: the slices still queued are not encoded (the export stops
+    within a slice, not after the whole tensor), and no worker process is left behind."""
+    with pytest.raises(KeyboardInterrupt):
+        with TensorEncoder(2) as encoder:
+            pending = encoder.submit(weights(4096, 256), GGMLType.Q4_K)  # 256 slices of 16 rows
+            workers = [w.process for w in encoder._processes]
+            raise KeyboardInterrupt
+    assert all(process.poll() is not None for process in workers)
+    with pytest.raises(CompressError, match="stopped"):
+        pending.result()
+    assert sum(part is not None for part in pending.parts) < 16  # at most what was in flight when it stopped
