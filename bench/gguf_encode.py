@@ -33,6 +33,7 @@ from compress.export.gguf import ExportConfig, export_gguf
 from compress.export.encoding_pool import export_encoder, read_ahead, searched_weights
 from compress.formats.gguf.plan import FILE_TYPE, PRESETS, Target
 from compress.formats.gguf.sizes import GGMLType
+from pipeline import RANDOM_SHAPES, random_checkpoint  # bench/pipeline.py, beside this script
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q4_1": GGMLType.Q4_1, "q5_0": GGMLType.Q5_0, "q5_1": GGMLType.Q5_1,
@@ -75,7 +76,7 @@ def llama_cpp_quantize(src: Path, dst: Path, target: Target, threads: int) -> fl
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", type=Path, default=REPO / "eval" / "assets" / "reference-llama")
-    ap.add_argument("--random", choices=["tinyllama", "llama3-8b"], help="a random-weight checkpoint of these shapes instead")
+    ap.add_argument("--random", choices=sorted(RANDOM_SHAPES), help="a random-weight checkpoint of these shapes instead")
     ap.add_argument("--blocks", type=int, default=2, help="its decoder blocks (--random)")
     ap.add_argument("--types", nargs="+", default=["q4_k", "q6_k"], choices=sorted(KINDS))
     ap.add_argument("--threads", type=int, default=1, help="CPUs for ours and llama.cpp quantize threads")
@@ -90,8 +91,6 @@ def main() -> None:
     from gguf import GGUFReader
 
     if args.random:
-        from pipeline import random_checkpoint
-
         args.model = random_checkpoint(args.random, args.blocks)
     with tempfile.TemporaryDirectory() as tmp:
         f16 = Path(tmp) / "model-f16.gguf"

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from compress.errors import CompressError
-from compress.formats.gguf.codecs import check_shape, encode_tensor, usable_cpus
+from compress.formats.gguf.codecs import check_shape, encode_tensor, encoding_cpus
 from compress.formats.gguf.grids import is_block_quantized
 from compress.formats.gguf.sizes import GGMLType
 
@@ -252,7 +252,7 @@ def export_encoder(weights: int) -> TensorEncoder:
     """The encoder for an export whose searched encodings (`searched_weights`) take ``weights`` weights: one worker
     process per usable CPU (at most torch's thread count) when there are enough to repay starting those, else this
     process."""
-    workers = min(usable_cpus(), torch.get_num_threads())
+    workers = encoding_cpus()
     return TensorEncoder(workers if weights >= MIN_POOL_WEIGHTS else 1)
 
 

@@ -33,9 +33,12 @@ CHUNK_ELEMENTS = 1 << 16
 POOL_CHUNK_ELEMENTS = 1 << 19
 
 
-def usable_cpus() -> int:
-    """The CPUs this process may run on (its affinity: ``taskset``, a container's cpuset), else all."""
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+def encoding_cpus() -> int:
+    """The CPUs an encoding may keep busy: those this process may run on (its affinity: ``taskset``, a container's
+    cpuset), at most torch's thread count (processes sharing a machine set that: a pool of their own would
+    oversubscribe the cores)."""
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return min(usable, torch.get_num_threads())
 
 
 def needs_importance(kind: GGMLType) -> bool:
@@ -114,9 +117,8 @@ def encode_tensor(weight: np.ndarray, kind: GGMLType, importance: np.ndarray | N
 
 def in_chunks(n: int, block: int, work: Callable[[slice], None]) -> None:
     """``work(part)`` over ``n`` blocks of ``block`` weights, ``part`` a slice of them: `CHUNK_ELEMENTS` at a time on
-    one worker, `POOL_CHUNK_ELEMENTS` at a time on a thread pool of the CPUs this process may use (at most torch's
-    thread count: processes sharing a machine set that, and a pool of its own would oversubscribe the cores)."""
-    workers = min(-(-n * block // POOL_CHUNK_ELEMENTS), usable_cpus(), torch.get_num_threads())
+    one worker, `POOL_CHUNK_ELEMENTS` at a time on a thread pool of `encoding_cpus` threads."""
+    workers = min(-(-n * block // POOL_CHUNK_ELEMENTS), encoding_cpus())
     step = max(1, (POOL_CHUNK_ELEMENTS if workers > 1 else CHUNK_ELEMENTS) // block)
     parts = [slice(start, start + step) for start in range(0, n, step)]
     # torch's intra-op threads off: the chunks already run on a pool, and torch splitting each small op over

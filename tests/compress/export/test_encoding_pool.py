@@ -76,8 +76,7 @@ def test_an_export_on_workers_writes_the_same_tensors(tmp_path, monkeypatch, sma
         return {t.name: bytes(np.asarray(t.data).view(np.uint8)) for t in mapped_tensors(path)}
 
     started = []
-    monkeypatch.setattr(encoding_pool, "usable_cpus", lambda: 2)
-    monkeypatch.setattr(encoding_pool.torch, "get_num_threads", lambda: 2)
+    monkeypatch.setattr(encoding_pool, "encoding_cpus", lambda: 2)
     monkeypatch.setattr(encoding_pool._Worker, "__init__", lambda self, start=encoding_pool._Worker.__init__: (started.append(1), start(self))[1])
     monkeypatch.setattr(encoding_pool, "MIN_POOL_WEIGHTS", 1 << 40)
     export_gguf(ExportConfig(REFERENCE_MODEL, tmp_path / "here.gguf", Target("q4_k_m")))
