@@ -4,15 +4,18 @@ The encoders (`compress.formats.gguf.codecs.encode_tensor`) are long runs of sma
 one chunk of blocks at a time. Threads of one process share the interpreter's lock, which each small operation
 takes back, and gained little (Q4_K: 1.16x on 2 cores); two processes each encoding on one thread ran at 2.0x the
 rate of one (Q4_K 31 MB/s each, Q6_K 60 MB/s each, on this project's 2-core machine). So a large export hands
-row slices of each tensor to worker processes, one per CPU it may use (at most torch's thread count, which
-processes sharing a machine set), each on one thread, and puts the slices' bytes back in order. Every block lies
-within one row, so the bytes are those of encoding the tensor whole.
+row slices of each tensor to lanes, one per CPU it may use (at most torch's thread count, which processes sharing
+a machine set), each on one thread, and puts the slices' bytes back in order. Every block lies within one row, so
+the bytes are those of encoding the tensor whole. One lane is a thread of this process (its other threads only
+read tensors and wait on pipes), the others are worker processes: a worker's start costs a CPU ~1.3 s of imports,
+and on 2 cores the pool of two workers took that from the encoding twice (bench/gguf_encode.py, TinyLlama-shaped,
+2 CPUs: Q4_K 42-44 -> 49-50 MB/s, Q6_K 65 -> 72-74 MB/s with this process as a lane).
 
 A worker is ``python -m compress.export.encoding_pool``: it reads pickled slices on its standard input and
 writes their bytes (or the error) back, until its input closes. Not `multiprocessing`: its ``spawn`` reruns the
 caller's main script in every worker (a script without a ``__main__`` guard then starts workers itself), and a
 ``fork`` of a process whose thread pools have run is unsafe. The workers start with the first slice handed out
-(~1.5 s of imports each, in parallel); below `MIN_POOL_WEIGHTS` block-quantized weights an export encodes in
+(in parallel); below `MIN_POOL_WEIGHTS` block-quantized weights an export encodes in
 its own process. Workers ignore Ctrl-C and SIGTERM: the exporting process closes their input as it unwinds (its
 temporary output removed as without workers), and a worker whose parent died reads the end of its input.
 """
@@ -157,17 +160,19 @@ class Pending:
 
 
 class TensorEncoder:
-    """``submit(weight, kind, importance)``: `encode_tensor`'s bytes, from ``workers`` processes when there are more
-    than one, as a `Pending` (so that the next tensor can be read while this one is encoded); ``encode`` waits for
-    them. A context manager: leaving it ends the workers."""
+    """``submit(weight, kind, importance)``: `encode_tensor`'s bytes, from ``workers`` lanes (a thread here and
+    ``workers - 1`` processes) when there are more than one, as a `Pending` (so that the next tensor can be read while
+    this one is encoded); ``encode`` waits for them. A context manager: leaving it ends the workers. While the lanes
+    run, torch runs on one thread in this process (its lane is one of the CPUs); leaving restores the count."""
 
     def __init__(self, workers: int = 1):
         self.workers = max(1, workers)
         self._processes: list[_Worker] = []
-        self._drivers: list[threading.Thread] = []  # one per worker: hands it slices, reads back their bytes
+        self._drivers: list[threading.Thread] = []  # one per lane: encodes slices here, or hands them to a worker
         self._todo: queue.SimpleQueue = queue.SimpleQueue()  # (pending, index, rows, kind, importance); None: stop
         self._stopping = False  # set on leaving (e.g. Ctrl-C): the slices still queued are dropped
         self._buffers: list[SharedRows] = []  # free ones (`SharedRows`): taken by a tensor, back once it is encoded
+        self._threads: int | None = None  # torch's thread count before the lanes started, restored on leaving
 
     def __enter__(self) -> "TensorEncoder":
         return self
@@ -183,6 +188,9 @@ class TensorEncoder:
         for buffer in self._buffers:
             buffer.close()
         self._processes, self._drivers, self._buffers = [], [], []
+        if self._threads is not None:
+            torch.set_num_threads(self._threads)
+            self._threads = None
 
     def _buffer(self, nbytes: int) -> SharedRows:
         """A free buffer of at least ``nbytes`` (the smallest), or a new one."""
@@ -193,16 +201,18 @@ class TensorEncoder:
             return buffer
         return SharedRows(nbytes)
 
-    def _drive(self, worker: _Worker) -> None:
+    def _drive(self, encode: Callable[[tuple], np.ndarray]) -> None:
+        """Hand queued slices to ``encode`` (a worker process's `_Worker.call`, or `encode_job` here) until told to stop."""
         while (item := self._todo.get()) is not None:
             pending, index, rows, kind, importance = item
             if self._stopping:
                 pending.finish(index, None, CompressError("stopped"))
                 continue
             try:
-                pending.finish(index, worker.call((rows, kind, importance)))
+                pending.finish(index, encode((rows, kind, importance)))
             except Exception as exc:  # noqa: BLE001 - raised by the pending result's owner
                 pending.finish(index, None, exc)
+
 
     def _slices(self, rows: int, cols: int) -> list[slice]:
         """Row slices of at most `MAX_SLICE_WEIGHTS`, at least two per worker where the tensor allows."""
@@ -220,8 +230,13 @@ class TensorEncoder:
         if shared is not None:
             shared.fill(w)
         if not self._drivers:
-            self._processes = [_Worker() for _ in range(self.workers)]
-            self._drivers = [threading.Thread(target=self._drive, args=(worker,), daemon=True) for worker in self._processes]
+            # this process is one of the lanes: torch on one thread here until the encoder is left (process-wide, set
+            # from this thread before the lane's thread starts, which takes the count at its first operation)
+            self._threads = torch.get_num_threads()
+            torch.set_num_threads(1)
+            self._processes = [_Worker() for _ in range(self.workers - 1)]
+            self._drivers = [threading.Thread(target=self._drive, args=(worker.call,), daemon=True) for worker in self._processes]
+            self._drivers.append(threading.Thread(target=self._drive, args=(encode_job,), daemon=True))
             for driver in self._drivers:
                 driver.start()
         slices = self._slices(*rows.shape)
@@ -261,6 +276,19 @@ def searched_weights(shapes_and_kinds, weighted: bool) -> int:
     return sum(math.prod(shape) for shape, kind in shapes_and_kinds if len(shape) > 1 and searched(kind, weighted))
 
 
+def encode_job(job: tuple) -> np.ndarray:
+    """The bytes of one slice ``(rows or a SharedRows slice, kind, importance)``."""
+    source, kind, importance = job
+    if not isinstance(source, tuple):
+        return encode_tensor(source, kind, importance)
+    rows, mapping = _mapped_rows(*source)  # a slice of a `SharedRows`
+    try:
+        return encode_tensor(rows, kind, importance)
+    finally:
+        del rows
+        mapping.close()
+
+
 def _serve() -> None:
     """A worker: encode each pickled ``(rows or a SharedRows slice, kind, importance)`` read from standard input, write back
     ``(True, bytes)`` or ``(False, error)``, until the input ends."""
@@ -275,19 +303,10 @@ def _serve() -> None:
             job = pickle.load(jobs)
         except EOFError:
             return
-        source, kind, importance = job
-        mapping = None
         try:
-            rows = source
-            if isinstance(source, tuple):  # a slice of a `SharedRows`
-                rows, mapping = _mapped_rows(*source)
-            reply = (True, encode_tensor(rows, kind, importance))
+            reply = (True, encode_job(job))
         except Exception as exc:  # noqa: BLE001 - handed to the parent, which raises it
             reply = (False, exc)
-        finally:
-            rows = None
-            if mapping is not None:
-                mapping.close()
         try:
             pickle.dump(reply, replies, protocol=pickle.HIGHEST_PROTOCOL)
             replies.flush()

@@ -34,7 +34,27 @@ def test_workers_write_the_bytes_of_one_process(small_slices):
             assert np.array_equal(encoder.encode(w, kind), encode_tensor(w, kind)), kind
             assert np.array_equal(encoder.encode(w, kind, importance), encode_tensor(w, kind, importance)), kind
         assert np.array_equal(encoder.encode(stacked, GGMLType.Q3_K), encode_tensor(stacked, GGMLType.Q3_K))
-        assert len(encoder._processes) == 2  # started once, reused by every tensor
+        assert len(encoder._processes) == 1  # started once, reused by every tensor; this process is the other lane
+
+
+def test_this_process_is_a_lane_on_one_thread_until_the_encoder_is_left(small_slices, monkeypatch):
+    """With 2 lanes, one worker process and a thread here share the slices; that thread's torch operations run on one
+    thread (else they would split over the CPUs the worker uses), and leaving restores the process's thread count."""
+    import torch
+
+    here = []
+    monkeypatch.setattr(encoding_pool, "encode_job", lambda job, encode=encoding_pool.encode_job: (here.append(torch.get_num_threads()), encode(job))[1])
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        w = weights(64, 256)
+        with TensorEncoder(2) as encoder:
+            assert np.array_equal(encoder.encode(w, GGMLType.Q4_K), encode_tensor(w, GGMLType.Q4_K))
+            assert len(encoder._processes) == 1
+        assert here and set(here) == {1}
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_an_encoder_error_comes_back_as_itself(small_slices):
@@ -48,7 +68,7 @@ def test_a_worker_that_died_is_a_one_line_error(small_slices):
     w = weights(64, 256)
     with TensorEncoder(2) as encoder:
         encoder.encode(w, GGMLType.Q4_K)
-        encoder._processes[1].process.kill()
+        encoder._processes[0].process.kill()
         with pytest.raises(CompressError, match=r"worker process ended \(exit status -9.*OMP_NUM_THREADS=1"):
             encoder.encode(w, GGMLType.Q4_K)
 
@@ -83,7 +103,7 @@ def test_an_export_on_workers_writes_the_same_tensors(tmp_path, monkeypatch, sma
     assert not started
     monkeypatch.setattr(encoding_pool, "MIN_POOL_WEIGHTS", 0)
     export_gguf(ExportConfig(REFERENCE_MODEL, tmp_path / "workers.gguf", Target("q4_k_m")))
-    assert len(started) == 2
+    assert len(started) == 1  # and this process
     assert tensors(tmp_path / "workers.gguf") == tensors(tmp_path / "here.gguf")
 
 
