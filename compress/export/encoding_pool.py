@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from compress.errors import CompressError
+from compress.formats.gguf._common import float32_of
 from compress.formats.gguf.codecs import check_shape, encode_tensor, encoding_cpus
 from compress.formats.gguf.grids import is_block_quantized
 from compress.formats.gguf.sizes import GGMLType
@@ -108,7 +109,7 @@ class SharedRows:
     def fill(self, weight: np.ndarray) -> None:
         """Hold ``weight`` as rows ``[weight.size / cols, cols]`` (converted to float32 in the copy)."""
         self.shape = (weight.size // weight.shape[-1], weight.shape[-1])
-        np.copyto(np.ndarray(self.shape, np.float32, self.mapping), weight.reshape(self.shape), casting="same_kind")
+        float32_of(weight.reshape(self.shape), out=np.ndarray(self.shape, np.float32, self.mapping))
 
     def close(self) -> None:
         self.mapping.close()
@@ -242,7 +243,7 @@ class TensorEncoder:
         slices = self._slices(*rows.shape)
         pending = Pending(len(slices), release=(lambda: self._buffers.append(shared)) if shared else None)
         for index, part in enumerate(slices):  # taken by whichever worker is free: a slow one gets fewer
-            source = (shared.path, shared.shape, part) if shared else rows[part].astype(np.float32)
+            source = (shared.path, shared.shape, part) if shared else float32_of(rows[part])
             self._todo.put((pending, index, source, kind, importance))
         return pending
 

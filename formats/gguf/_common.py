@@ -17,6 +17,8 @@ would round differently), and torch's row maxima replace numpy's slow short-row 
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -42,6 +44,24 @@ def round_half_away_(v: torch.Tensor) -> torch.Tensor:
     sign = v.sign()
     tie = v.sub_(rounded).mul_(sign).eq_(0.5)  # v's storage now holds the flags (1.0 / 0.0)
     return rounded.add_(tie.mul_(sign))
+
+
+def float32_of(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``x`` as float32 (in ``out`` if given, else a new array unless it already is float32). Float16 goes through
+    torch's vectorised conversion: exact, as numpy's, and ~10x faster (0.18 vs 1.7-2.1 ns a weight here), which
+    counts beside Q8_0's ~1 ns of encoding and in the export's hand-over to its workers."""
+    if x.dtype != np.float16:
+        if out is None:
+            return x.astype(F32, copy=False)
+        np.copyto(out, x, casting="same_kind")
+        return out
+    out = np.empty(x.shape, dtype=F32) if out is None else out
+    x = x if x.flags.c_contiguous else np.ascontiguousarray(x)  # torch takes no negative strides
+    with warnings.catch_warnings():  # a memory-mapped file's read-only array: torch only reads it here
+        warnings.simplefilter("ignore", UserWarning)
+        source = torch.from_numpy(x)
+    torch.from_numpy(out).copy_(source)
+    return out
 
 
 def fp16_round(x: np.ndarray) -> np.ndarray:

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from compress.errors import CompressError
-from compress.formats.gguf._common import mean_square
+from compress.formats.gguf._common import float32_of, mean_square
 from compress.formats.gguf import bf16, f16, iq2_s, iq2_xs, iq2_xxs, iq3_s, iq3_xxs, iq4_nl, iq4_xs, q2_k, q3_k, q4_0, q4_1, q4_k, q5_0, q5_1, q5_k, q6_k, q8_0
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
 from compress.quantizers.threads import one_thread, one_thread_workers
@@ -109,7 +109,7 @@ def encode_tensor(weight: np.ndarray, kind: GGMLType, importance: np.ndarray | N
     out = np.empty((blocks.shape[0], size), dtype=np.uint8)
 
     def work(part: slice) -> None:
-        out[part] = encode_weighted(blocks[part], qw[part], row_sigma2[part]) if weighted else encode(blocks[part].astype(np.float32, copy=False))
+        out[part] = encode_weighted(blocks[part], qw[part], row_sigma2[part]) if weighted else encode(float32_of(blocks[part]))
 
     in_chunks(blocks.shape[0], block, work)
     return out.reshape(w2.shape[0], -1)
