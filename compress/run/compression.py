@@ -18,7 +18,7 @@ from compress.engine.activations import scratch_beside
 from compress.engine.block_engine import Engine, EngineResult, LayerFn, ProgressFn, Stage
 from compress.engine.journal import BlockJournal, check_resumable, fingerprint
 from compress.engine.ranks import Ranks
-from compress.run.background import Background
+from compress.checkpoints.background import Background
 from compress.eval.perplexity import EvalResult
 from compress.errors import CompressError
 from compress.checkpoints.loading import load_tokenizer, resolve_device

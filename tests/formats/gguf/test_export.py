@@ -272,6 +272,32 @@ def test_failure_mid_write_leaves_nothing(tmp_path, monkeypatch):
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize("late", [False, True], ids=["during", "after-the-last-tensor"])
+def test_a_config_check_failing_while_tensors_are_written_stops_the_export(tmp_path, monkeypatch, late):
+    """config.json is checked against the weights beside the encoding: its error is the export's, raised as soon as
+    it is known (or before the rename, when it comes after the last tensor), and the output is removed."""
+    import threading
+
+    import compress.export.gguf as export_module
+
+    written, total = threading.Event(), {"seen": 0}
+
+    def progress(stage, done, count):
+        total["seen"] = done
+        if done == (count if late else 1):
+            written.set()
+
+    def check(path):
+        written.wait(60)
+        raise CompressError("config.json implies another shape")
+
+    monkeypatch.setattr(export_module, "open_model", check)
+    with pytest.raises(CompressError, match="implies another shape"):
+        export_gguf(ExportConfig(REFERENCE_MODEL, tmp_path / "x.gguf", Target.q8_0), progress)
+    assert list(tmp_path.iterdir()) == []
+    assert total["seen"] > 1 if late else total["seen"] >= 1
+
+
 def test_mixed_preset_follows_llama_cpp_rules(tmp_path):
     """Q4_K_M on the 4-block reference model: attn_v and ffn_down get Q6_K on llama.cpp's
     use_more_bits layers (i >= 7n/8 or (i - n/8) % 3 == 2, i.e. blocks 2 and 3), output Q6_K."""

@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from compress.checkpoints.output import run_inputs
-from compress.run.background import Background
+from compress.checkpoints.background import Background
 
 
 def test_the_result_is_the_functions_value_computed_on_another_thread():
@@ -24,6 +24,18 @@ def test_an_exception_reaches_the_caller_of_result():
     job = Background(fail)
     with pytest.raises(ValueError, match="no such file"):
         job.result()
+    with pytest.raises(ValueError, match="no such file"):
+        job.raise_if_failed()
+
+
+def test_raise_if_failed_does_not_wait():
+    release = threading.Event()
+    job = Background(lambda: release.wait() and 1 / 0)
+    job.raise_if_failed()  # still running: returns at once
+    release.set()
+    with pytest.raises(ZeroDivisionError):
+        job.result()
+    Background(lambda: 7).raise_if_failed()
 
 
 def test_digests_in_the_background_are_the_digests(tmp_path):

@@ -14,6 +14,8 @@ class Background(Generic[T]):
     For input digests (`compress.checkpoints.output.run_inputs`): SHA-256 releases the GIL on large chunks,
     so a model's files are hashed on a core the main thread leaves idle while it imports the model's code and
     reads the calibration text (0.3 s of a 15 s run on SmolLM2's first 8 blocks; ~30 s for a 7B checkpoint).
+    Also for the GGUF export's check of config.json against the weights (`compress.checkpoints.model_io.open_model`:
+    ~2.7 s of transformers' imports on a fresh process), made while the first tensors are encoded.
     A daemon thread, so that a run failing before the result is taken exits at once instead of waiting for it."""
 
     def __init__(self, fn: Callable[[], T], name: str = "background"):
@@ -33,3 +35,8 @@ class Background(Generic[T]):
         if self._error is not None:
             raise self._error
         return self._value  # type: ignore[return-value]
+
+    def raise_if_failed(self) -> None:
+        """Raise ``fn``'s exception if it has already failed; return at once otherwise (finished or not)."""
+        if not self._thread.is_alive() and self._error is not None:
+            raise self._error
