@@ -39,7 +39,7 @@ import torch
 
 from compress.errors import CompressError
 from compress.formats.gguf._common import float32_of
-from compress.formats.gguf.codecs import check_shape, encode_tensor, encoding_cpus
+from compress.formats.gguf.codecs import check_shape, encode_tensor, encoding_cpus, rounds_directly
 from compress.formats.gguf.grids import is_block_quantized
 from compress.formats.gguf.sizes import GGMLType
 
@@ -47,17 +47,12 @@ MIN_POOL_WEIGHTS = 1 << 25  # fewer searched weights (~1-2 s of encoding) do not
 MIN_SLICE_WEIGHTS = 1 << 18  # a smaller tensor is encoded in this process: handing it over costs more than it saves
 MAX_SLICE_WEIGHTS = 1 << 22  # bounds the memory of the slices in flight (16 MB of float32 each)
 LOOKAHEAD_WEIGHTS = 1 << 26  # an export reads tensors ahead of the one it writes up to this many weights (256 MB float32)
-# The types whose plain encoding rounds each block directly, without ggml's search over candidate scales: ~1 ns a
-# weight, less than handing the weight to another process takes (pool of 2 on Q8_0: 0.51x, Q5_0: 0.58x the rate of
-# encoding here). With an importance matrix the legacy types search too; Q8_0 ignores it, as ggml does.
-DIRECT_ROUNDING = frozenset({GGMLType.Q8_0, GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1})
-
-
 def searched(kind: GGMLType, weighted: bool) -> bool:
     """True where encoding ``kind`` searches candidate grids (the k-quant and i-quant fits; the legacy types'
-    importance-weighted fits): 30-100+ ns a weight here, the work worth handing to other processes."""
-    direct = kind in DIRECT_ROUNDING and (not weighted or kind == GGMLType.Q8_0)
-    return is_block_quantized(kind) and not direct
+    importance-weighted fits): 30-100+ ns a weight here, the work worth handing to other processes. A direct rounding
+    (`rounds_directly`: ~1 ns a weight) costs less than handing the weight over (a pool of 2 on Q8_0 ran at 0.51x,
+    Q5_0 at 0.58x the rate of encoding here)."""
+    return is_block_quantized(kind) and not rounds_directly(kind, weighted)
 
 
 class _Worker:

@@ -3,7 +3,7 @@
 Every codec module exposes ``encode(blocks [N, block] float32) -> [N, type_size] uint8`` and
 ``decode([N, type_size] uint8) -> [N, block] float32``. Here a 2-D weight ``[rows, cols]`` (ggml's
 ``ne = [cols, rows]``; ``cols`` is the contiguous axis and must be a multiple of the block size) is
-cut into blocks along each row and encoded ``CHUNK_ELEMENTS`` weights at a time, bounding the
+cut into blocks along each row and encoded `chunk_elements` weights at a time, bounding the
 solvers' temporaries.
 """
 
@@ -25,11 +25,15 @@ from compress.quantizers.threads import one_thread, one_thread_workers
 CODECS: dict[GGMLType, ModuleType] = {
     m.KIND: m for m in (f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1, q2_k, q3_k, q4_k, q5_k, q6_k, iq4_nl, iq4_xs, iq3_s, iq3_xxs, iq2_xxs, iq2_xs, iq2_s)
 }
-# Elements per encoding task. One worker: the solvers' temporaries stay in cache (fastest at 2^16 on a
-# 2-core machine; 2^23 was 1.9x slower). Several workers (a thread pool: numpy and torch release the GIL,
-# but each small operation takes it back): chunks of 2^19, or the workers queue on the GIL (Q4_K on a
-# 2048 x 4096 matrix, 2 cores: 1 worker 50 MB/s, 2 workers at 2^16 35 MB/s, at 2^18 58 MB/s, Q4_0 at 2^19 1.5x).
-CHUNK_ELEMENTS = 1 << 16
+# Elements per encoding task. One worker: the solvers' temporaries stay near the cache, each task's ~100+ small
+# operations not too many (one thread, 2816 x 2048 F16: Q4_K 24-31 MB/s at 2^16, 33-34 at 2^17, 28 at 2^18; Q3_K
+# 33-35 / 43 / 41; Q5_K 36-37 / 40-42 / 33; 2^23 was 1.9x slower). A direct rounding has no search to keep in cache
+# and few operations per task, so larger tasks (2^19: Q8_0 655 -> 979 MB/s, Q4_0 494 -> 736 from 2^16). Several
+# workers (a thread pool: numpy and torch release the GIL, but each small operation takes it back): chunks of 2^19,
+# or the workers queue on the GIL (Q4_K on a 2048 x 4096 matrix, 2 cores: 1 worker 50 MB/s, 2 workers at 2^16
+# 35 MB/s, at 2^18 58 MB/s, Q4_0 at 2^19 1.5x).
+CHUNK_ELEMENTS = 1 << 17
+DIRECT_CHUNK_ELEMENTS = 1 << 19
 POOL_CHUNK_ELEMENTS = 1 << 19
 
 
@@ -39,6 +43,19 @@ def encoding_cpus() -> int:
     oversubscribe the cores)."""
     usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
     return min(usable, torch.get_num_threads())
+
+
+def rounds_directly(kind: GGMLType, weighted: bool = False) -> bool:
+    """True where ``kind``'s encoding (importance-weighted if ``weighted``) rounds each block at once, with no search
+    over candidate scales (a codec's ``DIRECT_ROUNDING``): the legacy types' plain encoders, and Q8_0's, which has no
+    weighted one (ggml ignores the importance there). ~1 ns a weight, against 30-100+ for the searches."""
+    codec = CODECS.get(kind)
+    return getattr(codec, "DIRECT_ROUNDING", False) and not (weighted and hasattr(codec, "encode_weighted"))
+
+
+def chunk_elements(kind: GGMLType, weighted: bool = False) -> int:
+    """Weights per encoding task on one worker (`CHUNK_ELEMENTS`; `DIRECT_CHUNK_ELEMENTS` for a direct rounding)."""
+    return DIRECT_CHUNK_ELEMENTS if rounds_directly(kind, weighted) else CHUNK_ELEMENTS
 
 
 def needs_importance(kind: GGMLType) -> bool:
@@ -111,15 +128,15 @@ def encode_tensor(weight: np.ndarray, kind: GGMLType, importance: np.ndarray | N
     def work(part: slice) -> None:
         out[part] = encode_weighted(blocks[part], qw[part], row_sigma2[part]) if weighted else encode(float32_of(blocks[part]))
 
-    in_chunks(blocks.shape[0], block, work)
+    in_chunks(blocks.shape[0], block, work, chunk_elements(kind, weighted))
     return out.reshape(w2.shape[0], -1)
 
 
-def in_chunks(n: int, block: int, work: Callable[[slice], None]) -> None:
-    """``work(part)`` over ``n`` blocks of ``block`` weights, ``part`` a slice of them: `CHUNK_ELEMENTS` at a time on
+def in_chunks(n: int, block: int, work: Callable[[slice], None], chunk: int = CHUNK_ELEMENTS) -> None:
+    """``work(part)`` over ``n`` blocks of ``block`` weights, ``part`` a slice of them: ``chunk`` weights at a time on
     one worker, `POOL_CHUNK_ELEMENTS` at a time on a thread pool of `encoding_cpus` threads."""
     workers = min(-(-n * block // POOL_CHUNK_ELEMENTS), encoding_cpus())
-    step = max(1, (POOL_CHUNK_ELEMENTS if workers > 1 else CHUNK_ELEMENTS) // block)
+    step = max(1, (POOL_CHUNK_ELEMENTS if workers > 1 else chunk) // block)
     parts = [slice(start, start + step) for start in range(0, n, step)]
     # torch's intra-op threads off: the chunks already run on a pool, and torch splitting each small op over
     # its threads too only added fork/join overhead (Q8_0 1.7x slower with 2 torch threads in each of 2 workers);

@@ -26,7 +26,7 @@ from typing import Any
 
 import numpy as np
 
-from compress.formats.gguf.codecs import CODECS, in_chunks, plain_importance
+from compress.formats.gguf.codecs import CODECS, chunk_elements, in_chunks, plain_importance
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
 
 
@@ -106,7 +106,7 @@ def fit(
     def work(part: slice) -> None:
         data[part] = codec.encode_weighted(blocks[part], importance[part], row_sigma2[part]) if weighted else codec.encode(blocks[part])
 
-    in_chunks(blocks.shape[0], blocks.shape[1], work)
+    in_chunks(blocks.shape[0], blocks.shape[1], work, chunk_elements(kind, weighted))
     grid, _ = codec.unpack(data)
     lo, hi = codec.CODES
     zeros = np.zeros(blocks.shape, dtype=np.int8 if lo < 0 else np.uint8)

@@ -17,6 +17,7 @@ from compress.formats.gguf._common import (
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q4_0
+DIRECT_ROUNDING = True  # each block rounded at once: no search over candidate scales (codecs.rounds_directly)
 CODES = (0, 15)  # stored codes; the weight is d·(code − 8)
 
 

@@ -15,6 +15,7 @@ from compress.formats.gguf import q4_0
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q5_0
+DIRECT_ROUNDING = True  # each block rounded at once: no search over candidate scales (codecs.rounds_directly)
 CODES = (0, 31)  # the weight is d·(code − 16)
 
 

@@ -15,6 +15,7 @@ from compress.formats.gguf.q5_0 import pack_high_bits, unpack_high_bits
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q5_1
+DIRECT_ROUNDING = True  # each block rounded at once: no search over candidate scales (codecs.rounds_directly)
 CODES = (0, 31)  # the weight is d·code + m
 
 

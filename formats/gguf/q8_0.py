@@ -15,6 +15,7 @@ from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, round_hal
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q8_0
+DIRECT_ROUNDING = True  # each block rounded at once: no search over candidate scales (codecs.rounds_directly)
 CODES = (-128, 127)  # signed bytes; the weight is d·code
 
 

@@ -77,7 +77,8 @@ def test_direct_roundings_stay_in_this_process():
     """Q8_0 and the legacy types' plain rounding cost less than handing the weights over; with an importance matrix
     the legacy types search (ggml's weighted fits), Q8_0 ignores it."""
     assert not searched(GGMLType.Q8_0, False) and not searched(GGMLType.Q8_0, True)
-    assert not searched(GGMLType.Q4_0, False) and searched(GGMLType.Q4_0, True)
+    for kind in (GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1):
+        assert not searched(kind, False) and searched(kind, True), kind
     assert searched(GGMLType.Q4_K, False) and searched(GGMLType.IQ4_NL, False)
     assert not searched(GGMLType.F16, False)
     assert searched_weights([((8, 256), GGMLType.Q6_K), ((256,), GGMLType.Q6_K), ((8, 256), GGMLType.Q8_0)], False) == 2048

@@ -203,6 +203,7 @@ def test_float16_weights_encode_as_their_float32_values(kind, monkeypatch):
     import compress.formats.gguf.codecs as codecs
 
     monkeypatch.setattr(codecs, "CHUNK_ELEMENTS", 1 << 12)
+    monkeypatch.setattr(codecs, "DIRECT_CHUNK_ELEMENTS", 1 << 12)
     monkeypatch.setattr(codecs, "POOL_CHUNK_ELEMENTS", 1 << 13)
     w = (np.random.default_rng(3).standard_normal((64, 512)) * 0.02).astype(np.float16)
     importance = np.random.default_rng(4).gamma(0.5, 2.0, 512).astype(np.float32)
