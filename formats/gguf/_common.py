@@ -24,9 +24,10 @@ import torch
 
 # ggml's GROUP_MAX_EPS: a group whose largest |x| is below this is all zeros.
 GROUP_MAX_EPS = np.float32(1e-15)
-# `make_qx_quants`' trials rounded and summed together: 5 of its 19 kept a 64K-weight chunk's temporaries (~3 MB)
-# near the cache and cut the call count (2.12 -> 1.85 ms per chunk of Q6_K sub-blocks, one thread; 19 at once 3.9 ms)
-QX_TRIALS_AT_ONCE = 5
+# `make_qx_quants`' trials rounded and summed together: 3 of its 19 keep a 128K-weight chunk's temporaries (~4.5 MB)
+# near the cache and cut the call count (Q6_K, one thread, 2816 x 2048 F16, MB/s at 64K- / 128K-weight chunks:
+# 2 at once 52-56 / 64-65, 3 at once 57-59 / 67, 5 at once 59-60 / 62-65, 7 at once 59-60 / 56-60)
+QX_TRIALS_AT_ONCE = 3
 F32 = np.float32
 
 
