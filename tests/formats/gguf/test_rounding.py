@@ -4,6 +4,8 @@ there for every float32 ``v``): ties both ways, the neighbours of every tie, 0.4
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -41,7 +43,10 @@ def test_float32_of_is_float16s_value_for_every_bit_pattern():
     half = bits.astype(np.uint16).view(np.float16).reshape(256, 256)
     half.flags.writeable = False  # as a memory-mapped file's tensor is
     expected = float16_value(bits).reshape(256, 256)
-    for got in (float32_of(half), float32_of(half[:, ::-2]), float32_of(half, out=np.empty((256, 256), np.float32))):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's "not writable" warning: a read-only array is copied first
+        results = (float32_of(half), float32_of(half[:, ::-2]), float32_of(half, out=np.empty((256, 256), np.float32)))
+    for got in results:
         want = expected[:, ::-2] if got.shape == (256, 128) else expected
         assert got.dtype == np.float32
         assert np.array_equal(got, want.astype(np.float32), equal_nan=True)
