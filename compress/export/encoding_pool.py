@@ -78,7 +78,10 @@ class _Worker:
 
     def close(self) -> None:
         if self.process.stdin:
-            self.process.stdin.close()  # the worker reads the end of its input and exits
+            try:
+                self.process.stdin.close()  # the worker reads the end of its input and exits
+            except BrokenPipeError:  # it had ended (killed): the job left in the buffer goes nowhere
+                pass
         self.process.wait()
 
 

@@ -64,10 +64,27 @@ def test_an_encoder_error_comes_back_as_itself(small_slices):
         encoder.encode(weights(1024, 96), GGMLType.Q4_K)
 
 
-def test_a_worker_that_died_is_a_one_line_error(small_slices):
+def test_a_worker_that_died_is_a_one_line_error(small_slices, monkeypatch):
+    import threading
+
     w = weights(64, 256)
+    # once the worker is killed, this process's lane waits for the worker's lane to fail, so that slices reach the
+    # dead worker whatever the scheduling (else this lane could take every slice first)
+    open_, real_call = threading.Event(), encoding_pool._Worker.call
+    open_.set()
+
+    def call(self, job):
+        try:
+            return real_call(self, job)
+        except CompressError:
+            open_.set()
+            raise
+
+    monkeypatch.setattr(encoding_pool._Worker, "call", call)
+    monkeypatch.setattr(encoding_pool, "encode_job", lambda job, encode=encoding_pool.encode_job: (open_.wait(60), encode(job))[1])
     with TensorEncoder(2) as encoder:
         encoder.encode(w, GGMLType.Q4_K)
+        open_.clear()
         encoder._processes[0].process.kill()
         with pytest.raises(CompressError, match=r"worker process ended \(exit status -9.*OMP_NUM_THREADS=1"):
             encoder.encode(w, GGMLType.Q4_K)
@@ -108,9 +125,14 @@ def test_an_export_on_workers_writes_the_same_tensors(tmp_path, monkeypatch, sma
     assert tensors(tmp_path / "workers.gguf") == tensors(tmp_path / "here.gguf")
 
 
-def test_leaving_early_drops_the_queued_slices_and_ends_the_workers(small_slices):
+def test_leaving_early_drops_the_queued_slices_and_ends_the_workers(small_slices, monkeypatch):
     """Ctrl-C or SIGTERM unwinds through the encoder: the slices still queued are not encoded (the export stops
     within a slice, not after the whole tensor), and no worker process is left behind."""
+    import time
+
+    # this process's lane at 20 ms a slice: on a fast CPU it could otherwise encode dozens of these small slices
+    # before the interrupt reaches the encoder (a thread switch is 5 ms)
+    monkeypatch.setattr(encoding_pool, "encode_job", lambda job, encode=encoding_pool.encode_job: (time.sleep(0.02), encode(job))[1])
     with pytest.raises(KeyboardInterrupt):
         with TensorEncoder(2) as encoder:
             pending = encoder.submit(weights(4096, 256), GGMLType.Q4_K)  # 256 slices of 16 rows
