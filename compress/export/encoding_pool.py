@@ -47,6 +47,8 @@ MIN_POOL_WEIGHTS = 1 << 25  # fewer searched weights (~1-2 s of encoding) do not
 MIN_SLICE_WEIGHTS = 1 << 18  # a smaller tensor is encoded in this process: handing it over costs more than it saves
 MAX_SLICE_WEIGHTS = 1 << 22  # bounds the memory of the slices in flight (16 MB of float32 each)
 LOOKAHEAD_WEIGHTS = 1 << 26  # an export reads tensors ahead of the one it writes up to this many weights (256 MB float32)
+
+
 def searched(kind: GGMLType, weighted: bool) -> bool:
     """True where encoding ``kind`` searches candidate grids (the k-quant and i-quant fits; the legacy types'
     importance-weighted fits): 30-100+ ns a weight here, the work worth handing to other processes. A direct rounding
@@ -212,7 +214,6 @@ class TensorEncoder:
             except Exception as exc:  # noqa: BLE001 - raised by the pending result's owner
                 pending.finish(index, None, exc)
 
-
     def _slices(self, rows: int, cols: int) -> list[slice]:
         """Row slices of at most `MAX_SLICE_WEIGHTS`, at least two per worker where the tensor allows."""
         per_slice = min(MAX_SLICE_WEIGHTS, max(MIN_SLICE_WEIGHTS, rows * cols // (2 * self.workers)))
@@ -263,9 +264,9 @@ def read_ahead(jobs: Iterable[tuple[int, Callable[[], list[Pending]]]]) -> Itera
 
 
 def export_encoder(weights: int) -> TensorEncoder:
-    """The encoder for an export whose searched encodings (`searched_weights`) take ``weights`` weights: one worker
-    process per usable CPU (at most torch's thread count) when there are enough to repay starting those, else this
-    process."""
+    """The encoder for an export whose searched encodings (`searched_weights`) take ``weights`` weights: one lane per
+    usable CPU (`encoding_cpus`: this process and a worker process for each other CPU) when there are enough to repay
+    starting the workers, else this process alone."""
     workers = encoding_cpus()
     return TensorEncoder(workers if weights >= MIN_POOL_WEIGHTS else 1)
 

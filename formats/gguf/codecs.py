@@ -104,7 +104,7 @@ def encode_tensor(weight: np.ndarray, kind: GGMLType, importance: np.ndarray | N
     """
     w = np.asarray(weight)
     if w.dtype != np.float16 or importance is not None:  # float16 is made float32 chunk by chunk, below
-        w = w.astype(np.float32, copy=False)
+        w = float32_of(w)
     w2 = w.reshape(1, -1) if w.ndim == 1 else w.reshape(-1, w.shape[-1])
     check_shape(kind, w2.shape[1])
     encode, _ = _functions(kind)
