@@ -249,7 +249,7 @@ def make_qx_quants(x: np.ndarray, nmax: int, weights: np.ndarray | None = None) 
     slx, sl2 = sums[0]
     chosen = iscales[0].copy()
     with np.errstate(divide="ignore", invalid="ignore"):
-        scale = np.where(sl2 > 0, slx / sl2, F32(0))
+        scale = np.where(sl2 != 0, slx / sl2, F32(0))  # ggml's `suml2 ? sumlx/suml2 : 0`: negative importance too
         best = scale * slx
         for iscale, (slx, sl2) in zip(iscales[1:], sums[1:]):  # in ggml's order: the first of equals stays
             better = (sl2 > 0) & (slx * slx > best * sl2)
