@@ -7,9 +7,9 @@ Writes the model as an F16 GGUF with our exporter, then times both alike, from t
 bytes written to disk (what the disk cache holds is the same for both: the F16 file was just written):
 - ours: every 2-D F16 tensor of that file, memory-mapped (`compress.checkpoints.gguf_file.mapped_tensors`),
   converted to float32 and encoded as the export encodes it (`compress.export.encoding_pool.export_encoder`: on
-  ``--threads`` worker processes, started inside the timing, when the searched encodings are large enough, else in
-  this process), its bytes written to a file (the process pinned to ``--threads`` CPUs, torch limited to as many
-  threads);
+  ``--threads`` lanes, this process and worker processes started inside the timing, when the searched encodings
+  are large enough, else in this process), its bytes written to a file (the process pinned to ``--threads`` CPUs,
+  torch limited to as many threads, under the export's allocator policy, `compress.cli.app.STREAMING`);
 - llama.cpp: ``llama_model_quantize`` (llama-cpp-python) of the same file with ``pure`` set, so every
   matrix gets the type, with ``--threads`` threads (wall time of the call: its reading, encoding and writing).
 Speed is F16 megabytes in per second. Also checks that both wrote the same bytes. (Before stop 41 ours was timed
@@ -29,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from compress.checkpoints.gguf_file import mapped_tensors
+from compress.cli.app import allocator_policy, set_allocator
 from compress.export.gguf import ExportConfig, export_gguf
 from compress.export.encoding_pool import export_encoder, read_ahead, searched_weights
 from compress.formats.gguf.plan import FILE_TYPE, PRESETS, Target
@@ -59,7 +60,7 @@ def ours(path: Path, kind: GGMLType, out: Path) -> tuple[float, dict[str, bytes]
             return [encoder.submit(np.asarray(tensor.data).view(np.float16).reshape(rows, cols), kind)]  # made float32 there
 
         for tensor, (data,) in zip(matrices, read_ahead((t.data.size, partial(read_tensor, t)) for t in matrices)):
-            sink.write(data.tobytes())
+            data.tofile(sink)  # as the export writes it
             encoded[tensor.name] = data
     seconds = time.perf_counter() - start
     return seconds, {k: v.tobytes() for k, v in encoded.items()}
@@ -88,6 +89,7 @@ def main() -> None:
     if hasattr(os, "sched_setaffinity"):  # encode_tensor runs as many workers as the CPUs it may use
         os.sched_setaffinity(0, sorted(os.sched_getaffinity(0))[: args.threads])
     torch.set_num_threads(args.threads)
+    set_allocator(allocator_policy("export"))  # ours runs as `compress export` does (llama.cpp's in its own process)
     from gguf import GGUFReader
 
     if args.random:
