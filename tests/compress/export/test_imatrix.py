@@ -88,6 +88,23 @@ def test_reading_something_else_is_a_clear_error(tmp_path):
     assert "does not exist" in one_line_error(read_imatrix, tmp_path / "missing.gguf")
 
 
+@pytest.mark.parametrize("tensor, value", [("in_sum2", -1.0), ("in_sum2", np.nan), ("in_sum2", np.inf), ("counts", -4.0)])
+def test_negative_or_non_finite_entries_are_a_clear_error(tmp_path, tensor, value):
+    """A sum of squares or a token count is never negative or NaN: such a file (damaged, or crafted) is refused by
+    name, not passed on as weights to the encoders' fits."""
+    from gguf import GGUFReader
+
+    path = tmp_path / "im.gguf"
+    write_imatrix(path, Imatrix({"blk.0.attn_q.weight": ImatrixEntry(np.arange(1, 9, dtype=np.float64), 4)}, ["c.txt"], 1, 8))
+    read_imatrix(path)  # valid as written
+    target = next(t for t in GGUFReader(str(path)).tensors if t.name.endswith(tensor))
+    with open(path, "r+b") as f:  # overwrite the tensor's first value in place
+        f.seek(int(target.data_offset))
+        f.write(np.float32(value).tobytes())
+    msg = one_line_error(read_imatrix, path)
+    assert "blk.0.attn_q.weight" in msg and "negative or non-finite" in msg and "collect it again" in msg
+
+
 @pytest.mark.parametrize("model_type", ["mixtral", "qwen2_moe"])
 def test_moe_experts_have_one_row_per_expert_over_their_routed_tokens(tmp_path, tiny_tokenizer, model_type):
     """llama-imatrix's MUL_MAT_ID branch: a stacked expert tensor's entry holds, for each expert, the sum of
