@@ -41,9 +41,10 @@ FRUGAL = AllocatorPolicy(mmap_threshold=1 << 20)
 # GGUF encoding: every chunk of weights makes the same few-MB temporaries again; under FRUGAL each one of 1 MB or more
 # was a fresh mapping, page-faulted in and unmapped, and the heap's top was returned to the OS past 128 KB free and
 # faulted in again by the next chunk. One thread, 2816 x 2048 F16 in memory, MB/s under FRUGAL / this: Q8_0 228 / 791,
-# Q6_K 32 / 64, Q4_K 27 / 34. `compress export` of the TinyLlama-shaped bench model: Q6_K 10.5-13.8 -> 9.3-9.8 s,
-# Q8_0 7.0-7.5 -> 5.1-5.7 s, peak RSS 1.32 -> 1.39 GB and 0.89 -> 0.96 GB; with GPTQ (SmolLM2's first 8 blocks,
-# 32 x 512 calibration tokens, q4_k) 31.3 -> 25.7-28.2 s, peak RSS 1.28 -> 1.40 GB (an 8 MB threshold: 1.50 GB).
+# Q6_K 32 / 64, Q4_K 27 / 34. `compress export` of the TinyLlama-shaped bench model, alternating: Q4_K_M 11.4-12.1 ->
+# 10.6-10.7 s, Q6_K 10.1-10.3 -> 9.0-9.3 s, Q8_0 6.2-6.5 -> 5.3-5.6 s, peak RSS +0 / +70 / +60 MB (of 1.3-1.4, 0.9 GB);
+# with GPTQ (SmolLM2's first 8 blocks, 32 x 512 calibration tokens, q4_k) 31.3 -> 25.7-28.2 s, peak RSS 1.28 -> 1.40 GB
+# (an 8 MB threshold: 1.50 GB).
 STREAMING = AllocatorPolicy(mmap_threshold=4 << 20, trim_threshold=64 << 20)
 COMMAND_ALLOCATOR = {"export": STREAMING}
 
