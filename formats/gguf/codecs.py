@@ -35,6 +35,12 @@ CODECS: dict[GGMLType, ModuleType] = {
 CHUNK_ELEMENTS = 1 << 17
 DIRECT_CHUNK_ELEMENTS = 1 << 19
 POOL_CHUNK_ELEMENTS = 1 << 19
+# A searched encoding of 2^18 to 2^20 weights (GGUF-GPTQ fits one 256-column super-block of a layer's rows at a time:
+# 2048 rows are 2^19) is split into parts of at least this many, one per CPU, rather than left on one thread
+# (`bench/gptq_speed.py --shapes 2048x2048 --skip-slow --gguf q4_k q6_k`, 2 cores, alternating: Q4_K 0.87-0.90 ->
+# 0.78-0.85 s, 2.2-2.3x -> 2.0-2.1x integer GPTQ; encode_tensor of 1024 x 512 on 2 threads: Q4_K 30 -> 22 ms, Q3_K
+# 24 -> 17). A direct rounding's task (~1 ns a weight) stays one `DIRECT_CHUNK_ELEMENTS` on one thread.
+MIN_PART_ELEMENTS = 1 << 18
 
 
 def encoding_cpus() -> int:
@@ -132,12 +138,18 @@ def encode_tensor(weight: np.ndarray, kind: GGMLType, importance: np.ndarray | N
     return out.reshape(w2.shape[0], -1)
 
 
+def plan_parts(n: int, block: int, chunk: int, cpus: int) -> tuple[int, list[slice]]:
+    """`in_chunks`' threads and parts for ``n`` blocks of ``block`` weights on up to ``cpus`` threads."""
+    workers = max(1, min(n * block // max(chunk, MIN_PART_ELEMENTS), cpus))
+    step = max(1, min(POOL_CHUNK_ELEMENTS // block, -(-n // workers)) if workers > 1 else chunk // block)
+    return workers, [slice(start, min(start + step, n)) for start in range(0, n, step)]
+
+
 def in_chunks(n: int, block: int, work: Callable[[slice], None], chunk: int = CHUNK_ELEMENTS) -> None:
     """``work(part)`` over ``n`` blocks of ``block`` weights, ``part`` a slice of them: ``chunk`` weights at a time on
-    one worker, `POOL_CHUNK_ELEMENTS` at a time on a thread pool of `encoding_cpus` threads."""
-    workers = min(-(-n * block // POOL_CHUNK_ELEMENTS), encoding_cpus())
-    step = max(1, (POOL_CHUNK_ELEMENTS if workers > 1 else chunk) // block)
-    parts = [slice(start, start + step) for start in range(0, n, step)]
+    one worker, or on a thread pool of up to `encoding_cpus` threads, each given at least ``max(chunk,
+    MIN_PART_ELEMENTS)`` weights, `POOL_CHUNK_ELEMENTS` at a time (fewer where that leaves a thread idle)."""
+    workers, parts = plan_parts(n, block, chunk, encoding_cpus())
     # torch's intra-op threads off: the chunks already run on a pool, and torch splitting each small op over
     # its threads too only added fork/join overhead (Q8_0 1.7x slower with 2 torch threads in each of 2 workers);
     # the workers set it for themselves (`one_thread_workers`): a new thread starts with OpenMP's default team

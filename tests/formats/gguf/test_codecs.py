@@ -205,7 +205,31 @@ def test_float16_weights_encode_as_their_float32_values(kind, monkeypatch):
     monkeypatch.setattr(codecs, "CHUNK_ELEMENTS", 1 << 12)
     monkeypatch.setattr(codecs, "DIRECT_CHUNK_ELEMENTS", 1 << 12)
     monkeypatch.setattr(codecs, "POOL_CHUNK_ELEMENTS", 1 << 13)
+    monkeypatch.setattr(codecs, "MIN_PART_ELEMENTS", 1 << 13)
     w = (np.random.default_rng(3).standard_normal((64, 512)) * 0.02).astype(np.float16)
     importance = np.random.default_rng(4).gamma(0.5, 2.0, 512).astype(np.float32)
     assert np.array_equal(encode_tensor(w, kind), encode_tensor(w.astype(np.float32), kind))
     assert np.array_equal(encode_tensor(w, kind, importance), encode_tensor(w.astype(np.float32), kind, importance))
+
+
+@pytest.mark.parametrize("rows, cols, chunk, cpus, workers, first_part", [
+    (2048, 256, 1 << 17, 2, 2, 1024),  # a GGUF-GPTQ fit's super-block column (2^19 weights): one half per CPU
+    (1000, 256, 1 << 17, 2, 1, 512),  # under 2 x 2^18 weights: one thread, 2^17 at a time
+    (8192, 1024, 1 << 17, 2, 2, 2048),  # large: pool tasks of 2^19 weights
+    (8192, 1024, 1 << 17, 1, 1, 512),  # one CPU
+    (2048, 256, 1 << 19, 2, 1, 2048),  # a direct rounding's 2^19: one thread, one task
+    (3000, 1024, 1 << 17, 4, 4, 2048),  # 4 CPUs, large
+    (700, 1024, 1 << 17, 4, 2, 1400),  # 4 CPUs, 2.7 x 2^18 weights: two parts, each at least 2^18
+])
+def test_in_chunks_parts_cover_the_blocks_once(rows, cols, chunk, cpus, workers, first_part):
+    """``first_part``: blocks of 256 weights in the first part."""
+    from compress.formats.gguf.codecs import plan_parts
+
+    n, block = rows * cols // 256, 256
+    got_workers, parts = plan_parts(n, block, chunk, cpus)
+    assert got_workers == workers
+    covered = np.concatenate([np.arange(n)[p] for p in parts])
+    assert np.array_equal(covered, np.arange(n))  # every block once, in order
+    assert parts[0].stop - parts[0].start == first_part
+    if workers > 1:
+        assert len(parts) >= workers and all((p.stop - p.start) * block >= (1 << 18) for p in parts)
