@@ -44,9 +44,10 @@ FRUGAL = AllocatorPolicy(mmap_threshold=1 << 20)
 # Q6_K 32 / 64, Q4_K 27 / 34. `compress export` of the TinyLlama-shaped bench model, alternating: Q4_K_M 11.4-12.1 ->
 # 10.6-10.7 s, Q6_K 10.1-10.3 -> 9.0-9.3 s, Q8_0 6.2-6.5 -> 5.3-5.6 s, peak RSS +0 / +70 / +60 MB (of 1.3-1.4, 0.9 GB);
 # with GPTQ (SmolLM2's first 8 blocks, 32 x 512 calibration tokens, q4_k) 31.3 -> 25.7-28.2 s, peak RSS 1.28 -> 1.40 GB
-# (an 8 MB threshold: 1.50 GB).
+# (an 8 MB threshold: 1.50 GB). `compress measure` encodes every layer in every candidate: SmolLM2's first 8 blocks,
+# q4_0,q8_0,q4_1,q5_0, 16 x 256: 164-179 -> 149-150 s, peak RSS 3.32 -> 3.50 GB.
 STREAMING = AllocatorPolicy(mmap_threshold=4 << 20, trim_threshold=64 << 20)
-COMMAND_ALLOCATOR = {"export": STREAMING}
+COMMAND_ALLOCATOR = {"export": STREAMING, "measure": STREAMING}
 
 
 def allocator_policy(command: str | None) -> AllocatorPolicy:

@@ -39,7 +39,7 @@ def test_policies_decide_where_a_2mb_buffer_comes_from():
     assert from_heap("streaming")  # 4 MB threshold: the heap, reused by the next chunk's temporaries
 
 
-@pytest.mark.parametrize("command, policy", [("export", "STREAMING"), ("quantize", "FRUGAL"), ("inspect", "FRUGAL")])
+@pytest.mark.parametrize("command, policy", [("export", "STREAMING"), ("measure", "STREAMING"), ("quantize", "FRUGAL"), ("inspect", "FRUGAL")])
 def test_each_command_runs_under_its_policy(monkeypatch, command, policy):
     applied = []
     monkeypatch.setattr(app_module, "set_allocator", applied.append)
