@@ -108,11 +108,10 @@ def read_imatrix(path: Path) -> Imatrix:
         if counts is None or counts.size == 0 or sums.size % counts.size:
             raise CompressError(f"{path}: entry {base} has {sums.size} sums and {0 if counts is None else counts.size} counts, "
                                 "not a whole row per count: the file is damaged, collect it again")
-        bad = [label for label, v in (("sums of squared activations", sums), ("token counts", counts))
-               if not (np.isfinite(v).all() and (v >= 0).all())]
-        if bad:  # the encoders would weigh their fits by them: NaN scales, or a fit that rewards error
-            raise CompressError(f"{path}: entry {base} has negative or non-finite {bad[0]}: "
-                                "the file is damaged, collect it again (compress imatrix or llama-imatrix)")
+        for label, values in (("sums of squared activations", sums), ("token counts", counts)):
+            if not (np.isfinite(values).all() and (values >= 0).all()):  # else the fits' weights: NaN scales, ...
+                raise CompressError(f"{path}: entry {base} has negative or non-finite {label}: "
+                                    "the file is damaged, collect it again (compress imatrix or llama-imatrix)")
         n_mat = counts.size
         rounded = np.rint(counts.reshape(-1).astype(np.float64)).astype(np.int64)  # llama.cpp's lround
         sums64 = sums.reshape(n_mat, -1).astype(np.float64)
