@@ -208,12 +208,15 @@ def make_qkx2_quants(
     return np.where(flat, F32(0), scale), -offset, np.ascontiguousarray(codes.T).astype(np.int32)
 
 
-def make_qx_quants(x: np.ndarray, nmax: int, weights: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def make_qx_quants(
+    x: np.ndarray, nmax: int, weights: np.ndarray | None = None, codes: bool = True
+) -> tuple[np.ndarray, np.ndarray | None]:
     """Symmetric ``x ≈ scale·L``, L in [−nmax, nmax−1]; ggml's ``make_qx_quants`` with rmse_type 1.
 
     Weights default to x² (rmse_type 1). Searches 18 inverse scales ``−(nmax + 0.1·i)/max`` around
     the plain one and keeps the least-squares scale of the best. Returns scale ``[N]`` (signed) and
-    the codes ``L + nmax`` of the chosen rounding ``[N, n]`` (all 0 for an all-zero group).
+    the codes ``L + nmax`` of the chosen rounding ``[N, n]`` (all 0 for an all-zero group), or None with
+    ``codes=False`` (Q6_K rounds again with its final scales and needs these only where a scale rounds to 0).
     Transposed ``[n, N]`` with the elementwise work in torch, as `make_qkx2_quants`. Unlike there, a trial
     here does not depend on the ones before it (every inverse scale is known from ``max``), so the sums of
     `QX_TRIALS_AT_ONCE` trials are formed together, and only the choice among them runs trial by trial.
@@ -257,10 +260,13 @@ def make_qx_quants(x: np.ndarray, nmax: int, weights: np.ndarray | None = None) 
             np.copyto(scale, trial_scale, where=better)
             np.copyto(best, trial_scale * slx, where=better)
             np.copyto(chosen, iscale, where=better)
-    codes = (as_torch(x) * torch.from_numpy(chosen)[:, None]).round_().clamp_(-nmax, nmax - 1).add_(nmax)
+    scale = np.where(empty, F32(0), scale)
+    if not codes:
+        return scale, None
+    rounded = (as_torch(x) * torch.from_numpy(chosen)[:, None]).round_().clamp_(-nmax, nmax - 1).add_(nmax)
     if empty.any():
-        codes.masked_fill_(torch.from_numpy(empty)[:, None], 0)
-    return np.where(empty, F32(0), scale), codes.to(torch.int32).numpy()
+        rounded.masked_fill_(torch.from_numpy(empty)[:, None], 0)
+    return scale, rounded.to(torch.int32).numpy()
 
 
 def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:

@@ -29,17 +29,26 @@ SUB = 16
 def fit_grid(blocks: np.ndarray, qw: np.ndarray | None = None) -> SGrid:
     """Sub-block fits weighted by x² (or by the importance ``qw`` ``[N, 256]`` when given)."""
     n = blocks.shape[0]
+    subs = blocks.reshape(-1, SUB).astype(F32, copy=False)
     weights = None if qw is None else qw.reshape(-1, SUB)
-    scales, first = make_qx_quants(blocks.reshape(-1, SUB).astype(F32, copy=False), 32, weights)
+    scales, _ = make_qx_quants(subs, 32, weights, codes=False)
     scales = scales.reshape(n, 16)
     top = signed_absmax(scales)
     zero = np.abs(top) < F32(1e-15)
     iscale = F32(-128) / np.where(zero, F32(1), top)
-    sc = np.clip(nearest_int(iscale * scales), -128, 127)
-    d = np.where(zero, F32(0), F32(1) / iscale)
-    # an all-but-zero super-block is written as zero bytes, as ggml does
-    first = np.where(zero, 0, first.reshape(n, 256))
-    return SGrid(fp16_round(d), np.where(zero, 0, sc).astype(np.int8), first)
+    sc = np.where(zero, 0, np.clip(nearest_int(iscale * scales), -128, 127)).astype(np.int8)
+    d = fp16_round(np.where(zero, F32(0), F32(1) / iscale))
+    grid = SGrid(d, sc)
+    # ggml rounds each sub-block again with its stored scale, except where that is 0: there it keeps the sub-block
+    # fit's codes (an all-but-zero super-block is written as zero bytes). Rare, so those fits are redone for them alone.
+    dead = grid.scale() == 0
+    if dead.any():
+        fallback = np.zeros((n * 16, SUB), dtype=np.int32)
+        again = np.flatnonzero((dead & ~zero).ravel())
+        if again.size:
+            fallback[again] = make_qx_quants(subs[again], 32, None if weights is None else weights[again])[1]
+        grid = SGrid(d, sc, fallback.reshape(n, 256))
+    return grid
 
 
 def round_codes(blocks: np.ndarray, grid: SGrid) -> np.ndarray:

@@ -40,6 +40,8 @@ def matrices():
     gauss[7, 0:512:2], gauss[7, 1:512:2] = 0.03, -0.03  # ±ties of the largest magnitude: the first wins
     gauss[8, 256:512] = np.abs(gauss[8, 256:512])
     gauss[8, 300] = -gauss[8, 256:512].max()  # a −max after the +max, inside one block
+    gauss[9:12, 16:32] *= 1e-4  # sub-blocks whose scale rounds to 0 in a live super-block: ggml keeps their fit's codes
+    gauss[10, 512:528] = 0
     heavy = (rng.standard_t(3, size=(64, 512)) * 0.01).astype(np.float32)
     skewed = (np.abs(rng.standard_normal((32, 768))) * 0.05 + 0.01).astype(np.float32)
     return {"gaussian": gauss, "heavy-tailed": heavy, "all-positive": skewed}
