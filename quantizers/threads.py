@@ -43,7 +43,10 @@ def one_thread(device: torch.device) -> Iterator[None]:
 # A tile of `FixedTileProducts`: large enough that one thread runs it at full speed (a [128, 128] x [128, 1024]
 # product is ~34 MFLOP), small enough that a product of a few thousand rows has tiles for every thread.
 TILE_ROWS, TILE_COLUMNS = 128, 1024
-SMALL_PRODUCT = 1 << 23  # multiply-adds below which handing tiles to other threads costs more than it saves
+# multiply-adds below which handing tiles to other threads costs more than it saves: the helper's tiles wait on the
+# interpreter's lock (the Hessian factor of a 576-wide layer, 2 threads: 7.8 ms at 2^23, 4.6-5.4 ms at 2^25, 1 thread
+# 5.0-5.7 ms; 1024 to 3072 wide alike within noise)
+SMALL_PRODUCT = 1 << 25
 
 
 def one_thread_workers(count: int) -> ThreadPoolExecutor:

@@ -63,7 +63,7 @@ def round_codes(blocks: np.ndarray, grid: SGrid, half: int = 4) -> np.ndarray:
     codes = q.round_().clamp_(-half, half - 1).add_(half).to(torch.uint8).numpy()
     if dead.any():
         codes = np.where(dead, half if grid.fallback is None else grid.fallback.reshape(n, 16, SUB), codes)
-    return codes.reshape(n, 256).astype(np.uint8)
+    return codes.reshape(n, 256).astype(np.uint8, copy=False)
 
 
 def pack_scales(sc: np.ndarray) -> np.ndarray:
