@@ -234,6 +234,10 @@ def run(recipe: Path = typer.Argument(..., help="YAML recipe."), resume: bool = 
     from compress.run.recipe import load_recipe
 
     loaded = load_recipe(recipe)
+    if loaded.export is not None:  # the process's setting, made where the command knows its recipe
+        from compress.cli.app import allocator_policy, set_allocator
+
+        set_allocator(allocator_policy("run", exports_gguf=True))
     _execute(loaded.model_copy(update={"resume": True}) if resume else loaded, as_json)
 
 

@@ -46,3 +46,20 @@ def test_each_command_runs_under_its_policy(monkeypatch, command, policy):
     result = CliRunner().invoke(app, [command, "--help"], catch_exceptions=False)
     assert result.exit_code == 0
     assert applied == [getattr(app_module, policy)]
+
+
+@pytest.mark.parametrize("export, policy", [("", "FRUGAL"), ("export: {path: OUT.gguf, type: q6_k}\n", "STREAMING")], ids=["no-export", "export"])
+def test_a_recipe_that_exports_gguf_runs_under_the_export_policy(monkeypatch, tmp_path, export, policy):
+    from compress.cli import compressing
+    from conftest import REFERENCE_MODEL
+
+    applied, executed = [], []
+    monkeypatch.setattr(app_module, "set_allocator", applied.append)
+    monkeypatch.setattr(compressing, "_execute", lambda recipe, as_json: executed.append(recipe))
+    recipe = tmp_path / "recipe.yaml"
+    out = tmp_path / "out"
+    recipe.write_text(f"model: {REFERENCE_MODEL}\nstages: [{{method: rtn}}]\noutput: {{path: {out}, format: fake}}\n"
+                      + export.replace("OUT", str(out)))
+    result = CliRunner().invoke(app, ["run", str(recipe)], catch_exceptions=False)
+    assert result.exit_code == 0 and len(executed) == 1
+    assert applied[-1] == getattr(app_module, policy)
