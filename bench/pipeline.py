@@ -12,7 +12,8 @@ block to learn the order its layers run in), ``statistics`` (the passes that col
 statistics; their count per block is printed: true-sequential runs one per group of layers fed by the same
 input, each stopping once its group has run), ``one pass`` (in their place where the calibration windows fit one
 batch: true-sequential methods' statistics, solves and propagation in one forward pass per block,
-`compress.engine.one_pass`; its solves are counted under ``solve``), ``solve`` (the method's own work on the statistics),
+`compress.engine.one_pass`; its solves are counted under ``solve``), ``sums`` (inside either: each layer's input
+statistics added up, `InputStatistics.update`, mostly the Hessians' per-window Gram products), ``solve`` (the method's own work on the statistics),
 ``replay`` (block runs a method asks for, e.g. AWQ's scale search), ``propagation`` (the compressed block's
 outputs, the next block's inputs), ``write`` (packing and writing each block), ``evaluation`` (not part of the
 compression: the KLD of the output vs the model, the same protocol for both tools). Peak RSS; on CUDA, peak
@@ -108,6 +109,7 @@ def instrument(clock: PhaseClock) -> None:
     from compress.engine import block_engine, ranks
     from compress.engine.methods.base import Method
     from compress.engine.outcomes import LayerOutcomes
+    from compress.engine.statistics import InputStatistics
     from compress.run import compression
 
     Engine = block_engine.Engine
@@ -117,6 +119,7 @@ def instrument(clock: PhaseClock) -> None:
     clock.wrap(Engine, "_forward_order", "order")
     clock.wrap(Engine, "_run_until_called", "statistics")
     clock.wrap(Engine, "_one_pass", "one pass")
+    clock.wrap(InputStatistics, "update", "sums")
     clock.wrap(LayerOutcomes, "write_block", "write")
     clock.wrap(Engine, "_propagate", "propagation")
     clock.wrap(Engine, "_write_outer", "write")
@@ -326,7 +329,7 @@ def main() -> None:
               f"{''.join(' ' + item for item in args.set)}, calibration {args.samples} x "
               f"{args.seq_len}, {args.threads} threads, {args.device}")
         print("\n| phase | seconds | share | calls |\n|---|---:|---:|---:|")
-        for phase in ("start", "load", "capture", "order", "statistics", "one pass", "solve", "replay", "propagation", "write"):
+        for phase in ("start", "load", "capture", "order", "statistics", "one pass", "sums", "solve", "replay", "propagation", "write"):
             if phases.get(phase, 0) >= 0.005:  # e.g. one pass, tried and not taken by RTN
                 print(f"| {phase} | {phases[phase]:.2f} | {100 * phases[phase] / seconds:.0f}% | {counts.get(phase, 0) or ''} |")
         rest = seconds - sum(phases.values())
