@@ -9,7 +9,7 @@ bytes written to disk (what the disk cache holds is the same for both: the F16 f
   converted to float32 and encoded as the export encodes it (`compress.export.encoding_pool.export_encoder`: on
   ``--threads`` lanes, this process and worker processes started inside the timing, when the searched encodings
   are large enough, else in this process), its bytes written to a file (the process pinned to ``--threads`` CPUs,
-  torch limited to as many threads, under the export's allocator policy, `compress.cli.app.STREAMING`);
+  torch limited to as many threads, under the export's allocator policy, `compress.cli.allocator.STREAMING`);
 - llama.cpp: ``llama_model_quantize`` (llama-cpp-python) of the same file with ``pure`` set, so every
   matrix gets the type, with ``--threads`` threads (wall time of the call: its reading, encoding and writing).
 Speed is F16 megabytes in per second. Also checks that both wrote the same bytes. (Before stop 41 ours was timed
@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from compress.checkpoints.gguf_file import mapped_tensors
-from compress.cli.app import allocator_policy, set_allocator
+from compress.cli.allocator import allocator_policy, set_allocator
 from compress.export.gguf import ExportConfig, export_gguf
 from compress.export.encoding_pool import export_encoder, read_ahead, searched_weights
 from compress.formats.gguf.plan import FILE_TYPE, PRESETS, Target

@@ -214,7 +214,7 @@ def quiet_disk() -> None:
 def ours(args, model: Path, out: Path) -> tuple[float, dict]:
     """Our wall time as a user waits for it, measured as the anchor's is: a fresh interpreter from its start (the
     imports of torch and ours, which ``start`` counts), with what the ``compress`` command sets for the process (its
-    allocator policy, `compress.cli.app.set_allocator`) and its exit (`compress.cli.console.finish_process`); and
+    allocator policy, `compress.cli.allocator.set_allocator`) and its exit (`compress.cli.console.finish_process`); and
     that process's phases and peak RSS."""
     report = out.parent / "ours-phases.json"
     spec = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}, "model": str(model),
@@ -231,7 +231,7 @@ def _child(spec: dict) -> None:
     """`ours` in the fresh process: the run, timed by phase, its figures written to ``spec["report"]``."""
     import torch
 
-    from compress.cli.app import FRUGAL, set_allocator
+    from compress.cli.allocator import FRUGAL, set_allocator
     from compress.cli.console import finish_process
     from compress.run.recipe import parse_recipe
     from compress.run.runner import run_recipe

@@ -7,6 +7,7 @@ from typing import Any, Optional
 
 import typer
 
+from compress.cli import allocator
 from compress.cli.console import (
     command_line,
     console,
@@ -235,9 +236,7 @@ def run(recipe: Path = typer.Argument(..., help="YAML recipe."), resume: bool = 
 
     loaded = load_recipe(recipe)
     if loaded.export is not None:  # the process's setting, made where the command knows its recipe
-        from compress.cli.app import allocator_policy, set_allocator
-
-        set_allocator(allocator_policy("run", exports_gguf=True))
+        allocator.set_allocator(allocator.allocator_policy("run", exports_gguf=True))
     _execute(loaded.model_copy(update={"resume": True}) if resume else loaded, as_json)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import platform
 import subprocess
 import sys
@@ -12,14 +11,14 @@ from typer.testing import CliRunner
 
 from compress.cli import app
 
-app_module = importlib.import_module("compress.cli.app")  # (the package's `app` is the Typer application)
+from compress.cli import allocator
 
 # Run in a fresh interpreter: apply a policy, allocate 2 MB, and say whether it came from the heap (brk) or from a
 # mapping of its own; /proc/self/maps names the heap's range "[heap]".
 PROBE = """
 import sys
 import numpy as np
-from compress.cli.app import FRUGAL, STREAMING, set_allocator
+from compress.cli.allocator import FRUGAL, STREAMING, set_allocator
 set_allocator({"frugal": FRUGAL, "streaming": STREAMING}[sys.argv[1]])
 block = np.empty(2 << 20, dtype=np.uint8)
 address = block.__array_interface__["data"][0]
@@ -42,10 +41,10 @@ def test_policies_decide_where_a_2mb_buffer_comes_from():
 @pytest.mark.parametrize("command, policy", [("export", "STREAMING"), ("measure", "STREAMING"), ("quantize", "FRUGAL"), ("inspect", "FRUGAL")])
 def test_each_command_runs_under_its_policy(monkeypatch, command, policy):
     applied = []
-    monkeypatch.setattr(app_module, "set_allocator", applied.append)
+    monkeypatch.setattr(allocator, "set_allocator", applied.append)
     result = CliRunner().invoke(app, [command, "--help"], catch_exceptions=False)
     assert result.exit_code == 0
-    assert applied == [getattr(app_module, policy)]
+    assert applied == [getattr(allocator, policy)]
 
 
 @pytest.mark.parametrize("export, policy", [("", "FRUGAL"), ("export: {path: OUT.gguf, type: q6_k}\n", "STREAMING")], ids=["no-export", "export"])
@@ -54,7 +53,7 @@ def test_a_recipe_that_exports_gguf_runs_under_the_export_policy(monkeypatch, tm
     from conftest import REFERENCE_MODEL
 
     applied, executed = [], []
-    monkeypatch.setattr(app_module, "set_allocator", applied.append)
+    monkeypatch.setattr(allocator, "set_allocator", applied.append)
     monkeypatch.setattr(compressing, "_execute", lambda recipe, as_json: executed.append(recipe))
     recipe = tmp_path / "recipe.yaml"
     out = tmp_path / "out"
@@ -62,4 +61,4 @@ def test_a_recipe_that_exports_gguf_runs_under_the_export_policy(monkeypatch, tm
                       + export.replace("OUT", str(out)))
     result = CliRunner().invoke(app, ["run", str(recipe)], catch_exceptions=False)
     assert result.exit_code == 0 and len(executed) == 1
-    assert applied[-1] == getattr(app_module, policy)
+    assert applied[-1] == getattr(allocator, policy)
