@@ -9,8 +9,9 @@ heads, 4 KV heads), where the solves matter. ``-O``: the method's settings, as `
 (``--worker``) with ``OMP_NUM_THREADS`` = threads per rank (1 by default: 2 ranks on 2 cores use them both);
 each rank times its phases (exclusive wall time, `bench/pipeline.py`'s clock): ``capture`` (block 0's
 inputs of its windows), ``order``, ``statistics`` (its forward passes), ``one pass`` (true-sequential methods where the
-windows fit one batch: statistics, solves and propagation in one forward pass, `compress.engine.one_pass`), ``sums`` (inside
-either: the layers' input statistics added up, mostly Gram products), ``reduce`` (statistics summed over the ranks), ``solve`` (its share of the layers), ``exchange`` (the solved layers' weights, codes and reports sent
+windows fit one batch: statistics, solves and propagation in one forward pass, `compress.engine.one_pass`), ``sums``
+(inside either: the layers' input statistics added up, mostly Gram products), ``reduce`` (statistics summed over the
+ranks), ``solve`` (its share of the layers), ``exchange`` (the solved layers' weights, codes and reports sent
 to every rank: includes waiting for the slowest rank's solve), ``replay``, ``propagation``, ``write`` (rank 0
 only). Printed: a table per process count (rank 0, and the largest figure over ranks), each run's wall time
 from launch to exit and the speed-up; the outputs of both runs are compared tensor by tensor.

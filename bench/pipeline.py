@@ -13,7 +13,8 @@ statistics; their count per block is printed: true-sequential runs one per group
 input, each stopping once its group has run), ``one pass`` (in their place where the calibration windows fit one
 batch: true-sequential methods' statistics, solves and propagation in one forward pass per block,
 `compress.engine.one_pass`; its solves are counted under ``solve``), ``sums`` (inside either: each layer's input
-statistics added up, `InputStatistics.update`, mostly the Hessians' per-window Gram products), ``solve`` (the method's own work on the statistics),
+statistics added up, `InputStatistics.update`, mostly the Hessians' per-window Gram products), ``solve`` (the
+method's own work on the statistics),
 ``replay`` (block runs a method asks for, e.g. AWQ's scale search), ``propagation`` (the compressed block's
 outputs, the next block's inputs), ``write`` (packing and writing each block), ``evaluation`` (not part of the
 compression: the KLD of the output vs the model, the same protocol for both tools). Peak RSS; on CUDA, peak

@@ -35,10 +35,10 @@ STREAMING = AllocatorPolicy(mmap_threshold=4 << 20, trim_threshold=64 << 20)
 COMMAND_ALLOCATOR = {"export": STREAMING, "measure": STREAMING}
 
 
-def allocator_policy(command: str | None, exports_gguf: bool = False) -> AllocatorPolicy:
-    """The policy ``compress COMMAND`` runs under; a recipe that ends in a GGUF export (``exports_gguf``) runs under
-    export's for the whole run, as ``compress export --method gptq`` does (its encoding is the hot loop there too)."""
-    return COMMAND_ALLOCATOR["export"] if exports_gguf else COMMAND_ALLOCATOR.get(command, FRUGAL)
+def allocator_policy(command: str | None) -> AllocatorPolicy:
+    """The policy ``compress COMMAND`` runs under (``compress run`` takes export's for a recipe with an ``export:``
+    section, for the whole run, as ``compress export --method gptq`` does: its encoding is the hot loop there too)."""
+    return COMMAND_ALLOCATOR.get(command, FRUGAL)
 
 
 def set_allocator(policy: AllocatorPolicy) -> None:

@@ -235,8 +235,8 @@ def run(recipe: Path = typer.Argument(..., help="YAML recipe."), resume: bool = 
     from compress.run.recipe import load_recipe
 
     loaded = load_recipe(recipe)
-    if loaded.export is not None:  # the process's setting, made where the command knows its recipe
-        allocator.set_allocator(allocator.allocator_policy("run", exports_gguf=True))
+    if loaded.export is not None:  # its GGUF encoding: the process's setting, made where the command knows its recipe
+        allocator.set_allocator(allocator.allocator_policy("export"))
     _execute(loaded.model_copy(update={"resume": True}) if resume else loaded, as_json)
 
 

@@ -9,9 +9,7 @@ import sys
 import pytest
 from typer.testing import CliRunner
 
-from compress.cli import app
-
-from compress.cli import allocator
+from compress.cli import allocator, app
 
 # Run in a fresh interpreter: apply a policy, allocate 2 MB, and say whether it came from the heap (brk) or from a
 # mapping of its own; /proc/self/maps names the heap's range "[heap]".
