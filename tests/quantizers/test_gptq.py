@@ -306,3 +306,21 @@ def test_method_names_the_layer_when_statistics_are_broken():
     hessian[3, 3] = float("nan")
     with pytest.raises(CompressError, match=r"GPTQ failed on model\.layers\.7\.mlp\.up_proj: hessian contains NaN"):
         method.transform_layer("model.layers.7.mlp.up_proj", torch.randn(4, 8), {Stat.HESSIAN: hessian})
+
+
+@pytest.mark.parametrize("width", [7, 1024, 1025, 3000])
+def test_proxy_loss_rows_reads_half_of_h_and_is_the_full_quadratic_form(width):
+    """``tr(Δ H Δᵀ)`` by row from H's blocks on and above the diagonal only (several blocks and a ragged last one
+    from 1025 columns on) equals the float64 quadratic form of the whole H; a strided Δ (a column slice) too."""
+    from compress.quantizers.gptq import proxy_loss_rows
+
+    g = torch.Generator().manual_seed(width)
+    x = torch.randn(width + 64, width, generator=g) + 0.3 * torch.randn(1, width, generator=g)
+    h = x.t() @ x / x.shape[0]
+    h = (h + h.t()) / 2  # exactly symmetric, as the engine's Hessians are
+    wide = torch.randn(24, width + 5, generator=g)
+    delta = wide[:, 5:]  # rows strided by width + 5
+    expected = torch.einsum("oi,ij,oj->o", delta.double(), h.double(), delta.double())
+    got = proxy_loss_rows(delta, h)
+    assert got.dtype == torch.float64 and got.shape == (24,)
+    torch.testing.assert_close(got, expected, rtol=2e-6, atol=0)
