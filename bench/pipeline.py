@@ -17,8 +17,8 @@ statistics added up, `InputStatistics.update`, mostly the Hessians' per-window G
 method's own work on the statistics),
 ``replay`` (block runs a method asks for, e.g. AWQ's scale search), ``propagation`` (the compressed block's
 outputs, the next block's inputs), ``write`` (packing and writing each block), ``evaluation`` (not part of the
-compression: the KLD of the output vs the model, the same protocol for both tools). Peak RSS; on CUDA, peak
-device memory.
+compression: the KLD of the output vs the model, the same protocol for both tools). Peak RSS of each tool's
+process (the anchor's from its own resource usage, `os.wait4`); on CUDA, our peak device memory.
 
 ``--anchor llm-compressor`` runs the same model, scheme, calibration windows (the very token ids, saved for
 it) and method through llm-compressor 0.14's ``oneshot`` in its own virtual environment (built on first use
@@ -266,8 +266,9 @@ def _setting(item: str) -> tuple[str, object]:
     return key, yaml.safe_load(value)
 
 
-def anchor(args, model: Path, out: Path, scratch: Path) -> float:
-    """llm-compressor's wall time on the same windows (its venv is built on first use)."""
+def anchor(args, model: Path, out: Path, scratch: Path) -> tuple[float, float]:
+    """llm-compressor's wall time on the same windows and its process's peak RSS in GB (its venv is built on first
+    use)."""
     from compress.checkpoints.calibration import load_calibration
     from compress.checkpoints.loading import load_tokenizer
 
@@ -286,11 +287,13 @@ def anchor(args, model: Path, out: Path, scratch: Path) -> float:
     quiet_disk()
     start = time.perf_counter()
     with log.open("w") as sink:
-        done = subprocess.run(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT)
+        _, status, usage = os.wait4(process.pid, 0)  # its own resource usage: RUSAGE_CHILDREN's peak is of all children
     seconds = time.perf_counter() - start
-    if done.returncode:
-        raise SystemExit(f"llm-compressor failed (exit {done.returncode}):\n" + "\n".join(log.read_text().splitlines()[-20:]))
-    return seconds
+    process.returncode = os.waitstatus_to_exitcode(status)
+    if process.returncode:
+        raise SystemExit(f"llm-compressor failed (exit {process.returncode}):\n" + "\n".join(log.read_text().splitlines()[-20:]))
+    return seconds, usage.ru_maxrss / 1e6  # Linux: KiB
 
 
 def main() -> None:
@@ -336,13 +339,13 @@ def main() -> None:
         rest = seconds - sum(phases.values())
         print(f"| other | {rest:.2f} | {100 * rest / seconds:.0f}% | |\n| **total** | **{seconds:.2f}** | | |")
         print(f"\npeak RSS {child['rss_gb']:.2f} GB" + (f", peak device memory {child['device_gb']:.2f} GB" if child["device_gb"] else ""))
-        rows = [("ours", seconds, scratch / "ours")]
+        rows = [("ours", seconds, child["rss_gb"], scratch / "ours")]
         if args.anchor:
-            rows.append(("llm-compressor 0.14", anchor(args, model, scratch / "anchor", scratch), scratch / "anchor"))
-        print(f"\n| tool | wall s | x ours | KLD | ppl |\n|---|---:|---:|---:|---:|")
-        for name, wall, path in rows:
+            rows.append(("llm-compressor 0.14", *anchor(args, model, scratch / "anchor", scratch), scratch / "anchor"))
+        print(f"\n| tool | wall s | x ours | peak RSS GB | KLD | ppl |\n|---|---:|---:|---:|---:|---:|")
+        for name, wall, rss, path in rows:
             result = evaluate_checkpoint(path, args.text, reference_path=model, max_tokens=args.max_tokens, device=args.device)
-            print(f"| {name} | {wall:.1f} | {wall / seconds:.2f} | {result.kld:.5f} | {result.perplexity:.3f} |")
+            print(f"| {name} | {wall:.1f} | {wall / seconds:.2f} | {rss:.2f} | {result.kld:.5f} | {result.perplexity:.3f} |")
 
 
 if __name__ == "__main__":
