@@ -182,3 +182,22 @@ def test_gguf_files_carry_a_sidecar_manifest_and_their_provenance(tmp_path, tiny
     sidecar.unlink()
     with pytest.raises(CompressError, match="has no manifest"):
         verify(out)
+
+
+def test_digests_read_in_many_chunks_are_the_whole_files_and_tensors(tmp_path, monkeypatch):
+    """The file's digest is taken on a helper thread, chunk by chunk, beside each tensor's: with chunks much smaller
+    than the tensors (and tensors not aligned to them) both are still hashlib's digests of the same bytes."""
+    import torch
+    from safetensors.torch import save_file
+
+    from compress.checkpoints import integrity
+
+    path = tmp_path / "model.safetensors"
+    save_file({f"t{i}": torch.randn(1000 + 37 * i) for i in range(6)}, str(path))
+    monkeypatch.setattr(integrity, "CHUNK", 1000)
+    entry = integrity.file_entry(path)
+    data = path.read_bytes()
+    assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["bytes"] == len(data)
+    for name, tensor in entry["tensors"].items():
+        span = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
+        assert tensor["sha256"] == hashlib.sha256(span).hexdigest(), name
