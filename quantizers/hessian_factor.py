@@ -7,14 +7,16 @@ with ``J`` the reversal permutation: if ``J H J = L Lᵀ`` (lower Cholesky), the
 one triangular inverse, and ``H⁻¹`` is never formed (measured: closer to a float64 factor, 1.8e-7 vs 3.2e-7
 relative on random 576–2048 wide Hessians).
 
-Both steps run in blocks of `BLOCK` rows: each diagonal block is factored and inverted on one thread, and all
-the rest is matrix products whose inner dimension is one block. torch's float32 Cholesky (MKL) rounds differently
-with 1 and 2 threads, which made GPTQ's codes depend on the machine's core count; the products are cut into tiles
-fixed by their shapes alone, each computed on one thread (`threads.FixedTileProducts`: MKL's own threaded product
-summed the edges of each thread's share in another order on some CPUs), so this factor is the same bit for bit
-whatever the thread count (tested with 1–4 threads, `tests/quantizers/test_hessian_factor.py`), while using them:
-1536 wide, 108 ms for the one-thread reference, 43 ms here on one thread and 22 ms on two (stop 36's machine, MKL's
-own threaded products; with the fixed tiles on stop 39's slower CPU 55–64 ms on two, where MKL's took 38–46).
+Both steps run in blocks of `BLOCK` rows (`WIDE_BLOCK` from `WIDE` columns on): each diagonal block is factored
+and inverted on one thread, and all the rest is matrix products whose inner dimension is one block. torch's
+float32 Cholesky (MKL) rounds differently with 1 and 2 threads, which made GPTQ's codes depend on the machine's
+core count; the products are cut into tiles fixed by their shapes alone, each computed on one thread
+(`threads.FixedTileProducts`: MKL's own threaded product summed the edges of each thread's share in another order
+on some CPUs), so this factor is the same bit for bit whatever the thread count (tested with 1–4 threads,
+`tests/quantizers/test_hessian_factor.py`), while using them: 1536 wide, 108 ms for the one-thread reference, 43 ms
+here on one thread and 22 ms on two (stop 36's machine, MKL's own threaded products; with the fixed tiles on stop
+39's slower CPU 55–64 ms on two, where MKL's took 38–46); 14336 wide (an 8B model's MLP down projection), 2
+threads: 15.4–15.6 s with 128-row blocks, 14.1–14.6 s with `WIDE_BLOCK` (stop 47).
 
 Shapes: ``H [n, n]`` symmetric positive definite; ``U [n, n]``.
 """
@@ -27,7 +29,16 @@ from compress.quantizers.finite import all_finite
 from compress.quantizers.threads import FixedTileProducts
 
 BLOCK = 128  # rows per step: the diagonal blocks' factorizations are one-thread work, the products between them large
+# from WIDE columns on, WIDE_BLOCK rows per step: the products' inner dimension is the block, and at 128 they ran
+# below this CPU's rate (2 threads, alternating: 4096 wide 522-537 -> 485-494 ms, 8192 wide 3.49-3.80 -> 3.06-3.40 s);
+# narrower, the one-thread diagonal blocks dominate (576 wide: 6 ms at 128, 8-9 ms at 256)
+WIDE, WIDE_BLOCK = 4096, 256
 PANEL = 1024  # columns per product of the trailing update, which skips the blocks above the diagonal (half its work)
+
+
+def block_rows(n: int) -> int:
+    """Rows per step of the factorization and the inverse of an ``n``-wide matrix."""
+    return WIDE_BLOCK if n >= WIDE else BLOCK
 
 
 def upper_inverse_factor(H: torch.Tensor) -> torch.Tensor | None:
@@ -51,10 +62,11 @@ def _lower_cholesky_(A: torch.Tensor, product: FixedTileProducts) -> list[torch.
     """Right-looking blocked Cholesky in place: ``A``'s lower triangle becomes L (above it is left stale). Returns
     each diagonal block's inverse ``L_kk⁻¹``, or None if ``A`` is not positive definite."""
     n = A.shape[0]
-    eye = torch.eye(min(BLOCK, n), dtype=A.dtype, device=A.device)
+    block = block_rows(n)
+    eye = torch.eye(min(block, n), dtype=A.dtype, device=A.device)
     inverses = []
-    for k in range(0, n, BLOCK):
-        e = min(k + BLOCK, n)
+    for k in range(0, n, block):
+        e = min(k + block, n)
         L11, info = torch.linalg.cholesky_ex(A[k:e, k:e])
         if info.item() != 0:
             return None
@@ -72,8 +84,9 @@ def _lower_cholesky_(A: torch.Tensor, product: FixedTileProducts) -> list[torch.
 def _lower_inverse_(X: torch.Tensor, L: torch.Tensor, inverses: list[torch.Tensor], product: FixedTileProducts) -> None:
     """Solves ``L X = I`` block row by block row, in place (``X`` starts as the identity): ``X = L⁻¹``."""
     n = X.shape[0]
-    for inverse, k in zip(inverses, range(0, n, BLOCK)):
-        e = min(k + BLOCK, n)
+    block = block_rows(n)
+    for inverse, k in zip(inverses, range(0, n, block)):
+        e = min(k + block, n)
         X[k:e, :e] = product(inverse, X[k:e, :e])
         if e < n:
             product(L[e:, k:e], X[k:e, :e], into=X[e:, :e], subtract=True)

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.quantizers.hessian_factor import BLOCK, inverse_hessian_factor, upper_inverse_factor
+from compress.quantizers import hessian_factor
+from compress.quantizers.hessian_factor import BLOCK, WIDE_BLOCK, inverse_hessian_factor, upper_inverse_factor
 
 
 def spd(n: int, seed: int) -> torch.Tensor:
@@ -14,6 +15,12 @@ def spd(n: int, seed: int) -> torch.Tensor:
     x = torch.randn(n + 64, n, generator=g) @ (torch.eye(n) + 0.3 * torch.randn(n, n, generator=g) / n**0.5)
     h = x.t() @ x / x.shape[0]
     return h + 0.01 * h.diagonal().mean() * torch.eye(n)
+
+
+@pytest.fixture
+def wide_from_256(monkeypatch):
+    """`WIDE_BLOCK`-row steps from 256 columns on (they start at 4096): the wide path on small matrices."""
+    monkeypatch.setattr(hessian_factor, "WIDE", 256)
 
 
 @pytest.mark.parametrize("n", [1, 7, BLOCK, BLOCK + 1, 3 * BLOCK - 5])
@@ -25,8 +32,15 @@ def test_is_the_upper_cholesky_factor_of_the_inverse(n):
     assert (u.double() - textbook).abs().max() <= 2e-6 * textbook.abs().max()
 
 
-def test_the_same_bits_at_every_thread_count():
-    h = spd(5 * BLOCK + 37, seed=1)
+def test_wide_matrices_step_by_wide_blocks(wide_from_256):
+    n = 3 * WIDE_BLOCK + 37
+    assert hessian_factor.block_rows(n) == WIDE_BLOCK and hessian_factor.block_rows(255) == BLOCK
+    test_is_the_upper_cholesky_factor_of_the_inverse(n)
+    test_the_same_bits_at_every_thread_count(n)
+
+
+def test_the_same_bits_at_every_thread_count(n: int = 5 * BLOCK + 37):
+    h = spd(n, seed=1)
     threads = torch.get_num_threads()
     try:
         factors = []
