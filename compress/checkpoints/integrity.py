@@ -73,7 +73,7 @@ def _digests(path: Path, spans: list[tuple[int, int, str]]) -> tuple[str, dict[s
     """One pass over the file: its digest and each span's (None: the file ends inside it). Spans do not
     overlap (their readers check it). A tensor's bytes are hashed twice, for the file and for the tensor: the
     file's digest runs on a helper thread beside the tensor's (hashlib releases the interpreter's lock), chunk by
-    chunk in order (a 100 MB safetensors file's entry: 0.21 -> 0.12 s on 2 CPUs)."""
+    chunk in order (a 129 MB safetensors file's entry: 171 -> 109 ms on 2 CPUs)."""
     whole, tensors, position = hashlib.sha256(), {}, 0
     with path.open("rb") as f, ThreadPoolExecutor(1) as helper:
         hashing = helper.submit(lambda: None)  # the file digest's last update, awaited before the next one
