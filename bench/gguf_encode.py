@@ -38,7 +38,8 @@ from pipeline import RANDOM_SHAPES, random_checkpoint  # bench/pipeline.py, besi
 
 REPO = Path(__file__).resolve().parents[1]
 KINDS = {"q8_0": GGMLType.Q8_0, "q4_0": GGMLType.Q4_0, "q4_1": GGMLType.Q4_1, "q5_0": GGMLType.Q5_0, "q5_1": GGMLType.Q5_1,
-         "q4_k": GGMLType.Q4_K, "q6_k": GGMLType.Q6_K, "q5_k": GGMLType.Q5_K, "q3_k": GGMLType.Q3_K, "q2_k": GGMLType.Q2_K}
+         "q4_k": GGMLType.Q4_K, "q6_k": GGMLType.Q6_K, "q5_k": GGMLType.Q5_K, "q3_k": GGMLType.Q3_K, "q2_k": GGMLType.Q2_K,
+         "iq4_nl": GGMLType.IQ4_NL, "iq4_xs": GGMLType.IQ4_XS, "iq3_s": GGMLType.IQ3_S}  # the types with a plain fit
 
 
 def f16_matrices(path: Path) -> list:

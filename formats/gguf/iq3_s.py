@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from functools import cache
 
 import numpy as np
+import torch
 
 from compress.formats.gguf._common import F32, _running_sum, fp16_bytes, fp16_field, fp16_round, nearest_int, safe_reciprocal
 from compress.formats.gguf.iq4_nl import error_weights
@@ -84,6 +85,7 @@ class Tables:
     row: np.ndarray  # [2^(bits·group)] int32: an off-grid code's row of ``neighbours``, −1 for the others
     neighbours: np.ndarray  # [R, n] int32: an off-grid code's nearest points by (distance, index), −1 padded
     count: np.ndarray  # [R]: how many neighbours each row has
+    odd: np.ndarray  # [P, group] float32: each point's values 2·level + 1
     bits: int = 3
     max_level: int = 7
 
@@ -121,7 +123,8 @@ def tables(kgrid: tuple[int, ...] = _KGRID_512, n_want: int = N_WANT, group: int
         neighbours[r, : len(found)] = found
     row = np.full(size, -1, dtype=np.int32)
     row[off] = np.arange(len(off), dtype=np.int32)
-    return Tables(grid, index, row, neighbours, (neighbours >= 0).sum(axis=1), bits, max_level)
+    odd = (2 * grid.astype(np.int32) + 1).astype(F32)
+    return Tables(grid, index, row, neighbours, (neighbours >= 0).sum(axis=1), odd, bits, max_level)
 
 
 def _levels(t: Tables, inverse: np.ndarray, xval: np.ndarray) -> np.ndarray:
@@ -151,14 +154,17 @@ def _snap(t: Tables, levels: np.ndarray, xval: np.ndarray, waux: np.ndarray, sca
             continue
         mk, gk = m[pick], g[pick]
         found = t.neighbours[rows[pick], :upper]  # [G_b, upper]
-        values = (2 * t.grid[np.maximum(found, 0)].astype(np.int32) + 1).astype(F32)  # [G_b, upper, group]
-        xv = xval.reshape(xval.shape[0], -1, t.group)[mk, gk]
-        wa = waux.reshape(waux.shape[0], -1, t.group)[mk, gk]
-        s = scale[mk][:, None]
-        d2 = np.zeros(values.shape[:2], dtype=F32)
-        for i in range(t.group):
-            diff = s * values[..., i] - xv[:, None, i]
-            d2 += wa[:, None, i] * diff * diff
+        # [group, G_b, upper]: a coordinate of every candidate (padding reads point 0, set apart below)
+        values = torch.from_numpy(np.take(t.odd, np.maximum(found, 0), axis=0)).permute(2, 0, 1)
+        xv = torch.from_numpy(np.ascontiguousarray(xval.reshape(xval.shape[0], -1, t.group)[mk, gk].T))[..., None]
+        wa = torch.from_numpy(np.ascontiguousarray(waux.reshape(waux.shape[0], -1, t.group)[mk, gk].T))[..., None]
+        s = torch.from_numpy(scale[mk])[:, None]
+        # float32 named: torch's default dtype is process-wide, and transformers changes it while it builds a model
+        d2, (diff, term) = torch.zeros(found.shape, dtype=torch.float32), torch.empty((2, *found.shape), dtype=torch.float32)
+        for i, v in enumerate(values):  # a coordinate of every candidate at a time: ggml's order
+            torch.mul(s, v, out=diff).sub_(xv[i])
+            d2.add_(torch.mul(wa[i], diff, out=term).mul_(diff))
+        d2 = d2.numpy()
         d2[found < 0] = np.inf  # padding
         point[mk, gk] = found[np.arange(len(pick)), np.argmin(d2, axis=1)]  # the first of equal distances, as ggml
     return point, ~off
