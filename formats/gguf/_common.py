@@ -172,10 +172,9 @@ def make_qkx2_quants(
     # its error, the fitted scale and the fitted min (the min the next trials round with)
     state = np.empty((5, groups), dtype=F32)
     trial = np.empty_like(state)
-    state_t, trial_t = torch.from_numpy(state), torch.from_numpy(trial)
     best_iscale, best_offset, best, scale, offset = state
     iscale, used_offset, cur, this_scale, this_min = trial
-    iscale_t, used_offset_t, _, this_scale_t, this_min_t = trial_t
+    iscale_t, used_offset_t, _, this_scale_t, this_min_t = torch.from_numpy(trial)
     np.divide(F32(nmax), top - lo, out=iscale)
     used_offset[...] = lo
     np.divide(F32(1), iscale, out=this_scale)
@@ -202,7 +201,7 @@ def make_qkx2_quants(
             np.divide(sum_xl, sum_l2, out=this_scale, where=positive)
             np.copyto(this_min, F32(0), where=positive)
             error(this_scale_t, this_min_t, out=cur)
-            torch.where(torch.from_numpy((det > 0) & (cur < best)), trial_t, state_t, out=state_t)
+            np.copyto(state, trial, where=(det > 0) & (cur < best))  # each group's column of the 5 rows
     codes = round_levels(torch.from_numpy(best_iscale), torch.from_numpy(best_offset)).numpy()
     codes = np.where(flat, F32(0), codes)
     return np.where(flat, F32(0), scale), -offset, np.ascontiguousarray(codes.T).astype(np.int32)
