@@ -21,7 +21,7 @@ Shapes: blocks ``[N, B]`` float32; ``step``/``offset`` ``[N, B]``; codes ``[N, B
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
@@ -93,7 +93,13 @@ def fit(
     blocks = np.ascontiguousarray(blocks, dtype=np.float32)
     if is_lattice(kind):
         importance = plain_importance(kind, blocks.shape) if importance is None else np.ascontiguousarray(importance, dtype=np.float32)
-        grid = codec.fit_grid(blocks, importance)
+        parts: dict[int, Any] = {}  # each row is its own fit: parts of rows on the encoders' threads, joined in order
+
+        def fit_part(part: slice) -> None:
+            parts[part.start] = codec.fit_grid(blocks[part], None if importance is None else importance[part])
+
+        in_chunks(blocks.shape[0], blocks.shape[1], fit_part, chunk_elements(kind, True))
+        grid = _joined([parts[start] for start in sorted(parts)])
         step = np.repeat(grid.scale(), blocks.shape[1] // grid.scale().shape[1], axis=1)
         return LatticeGrid(kind, grid, step, codec.codebook(), getattr(codec, "SIGN_PARITY", 0))
     weighted = importance is not None and hasattr(codec, "encode_weighted")
@@ -118,6 +124,15 @@ def fit(
     at_zero = codec.decode(codec.pack(grid, zeros))
     at_one = codec.decode(codec.pack(grid, zeros + 1))
     return BlockGrid(kind, grid, at_one - at_zero, -at_zero, lo, hi)
+
+
+def _joined(grids: list) -> Any:
+    """One lattice grid (a dataclass of ``[N, ...]`` arrays and constants) from the grids of consecutive row parts."""
+    first = grids[0]
+    if len(grids) == 1:
+        return first
+    return replace(first, **{f.name: np.concatenate([getattr(g, f.name) for g in grids])
+                             for f in fields(first) if isinstance(getattr(first, f.name), np.ndarray)})
 
 
 def pack(grid: BlockGrid, codes: np.ndarray) -> np.ndarray:

@@ -101,3 +101,22 @@ def test_lattice_fit_is_the_encoders_grid(kind):
         data = CODECS[kind].encode(x) if importance is None else CODECS[kind].encode_weighted(x, qw)
         _, points, negative = CODECS[kind].unpack(data)
         np.testing.assert_array_equal(grids.pack_lattice(grids.fit(kind, x, importance), points, negative), data)
+
+
+@pytest.mark.parametrize("kind", LATTICE, ids=lambda k: k.name)
+def test_lattice_fit_in_row_parts_on_threads_is_the_fit_of_the_whole(kind, monkeypatch):
+    """`fit` hands parts of the rows to the encoders' threads (here 16 rows a part on 2 threads) and joins their
+    grids: each row's grid is what the codec fits for all the rows at once."""
+    import compress.formats.gguf.codecs as codecs
+
+    monkeypatch.setattr(codecs, "CHUNK_ELEMENTS", 16 * 256)
+    monkeypatch.setattr(codecs, "POOL_CHUNK_ELEMENTS", 16 * 256)
+    monkeypatch.setattr(codecs, "MIN_PART_ELEMENTS", 16 * 256)
+    monkeypatch.setattr(codecs, "encoding_cpus", lambda: 2)
+    x = blocks_of(kind, n=72)
+    qw = np.random.default_rng(2).random(x.shape).astype(np.float32)
+    whole = CODECS[kind].fit_grid(x, qw)
+    joined = grids.fit(kind, x, qw).grid
+    assert type(joined) is type(whole)
+    for name, value in vars(whole).items():
+        np.testing.assert_array_equal(getattr(joined, name), value)
