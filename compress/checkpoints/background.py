@@ -16,7 +16,10 @@ class Background(Generic[T]):
     reads the calibration text (0.3 s of a 15 s run on SmolLM2's first 8 blocks; ~30 s for a 7B checkpoint).
     Also for the GGUF export's check of config.json against the weights (`compress.checkpoints.model_io.open_model`:
     ~2.7 s of transformers' imports on a fresh process), made while the first tensors are encoded.
-    A daemon thread, so that a run failing before the result is taken exits at once instead of waiting for it."""
+    A daemon thread, so that a run failing before the result is taken exits at once instead of waiting for it.
+    What ``fn`` changes process-wide is seen by the main thread meanwhile: transformers sets torch's default dtype
+    while it builds a model (float16 for a float16 config), so code that runs beside the config check names its
+    dtypes (the encoders' bytes are tested under another default, tests/formats/gguf/test_codecs.py)."""
 
     def __init__(self, fn: Callable[[], T], name: str = "background"):
         self._value: T | None = None
