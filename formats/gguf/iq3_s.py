@@ -34,7 +34,7 @@ KIND = GGMLType.IQ3_S
 SUB = 32  # weights per block scale
 GROUP = 4  # weights per grid point
 N_WANT = 3  # neighbour lists hold the grid points at the 3 smallest distances
-_BUCKETS = (4, 8, 12, 16, 24, 64, 128)  # off-grid groups are searched in batches of similar neighbour counts
+_BUCKETS = (4, 8, 12, 16, 24, 32, 48, 64, 96, 128, 160, 192, 240)  # off-grid groups are searched in batches of similar neighbour counts
 
 # ggml's kgrid_512 (ggml/src/ggml-quants.c, iq3xs_init_impl): point k has level (kgrid[k] >> 3i) & 7 in
 # coordinate i, i.e. the value 2·level + 1; ggml-common.h's iq3s_grid and gguf-py's IQ3_S.grid_hex hold
@@ -146,10 +146,14 @@ def _snap(t: Tables, levels: np.ndarray, xval: np.ndarray, waux: np.ndarray, sca
     m, g = np.nonzero(off)
     rows = t.row[codes[m, g]]
     count = t.count[rows]
-    lower = 0
-    for upper in (*_BUCKETS, t.neighbours.shape[1]):  # groups with lower < count ≤ upper at once: dense [G_b, upper] distances
-        pick = np.flatnonzero((count > lower) & (count <= upper))
-        lower = max(lower, upper)
+    width = t.neighbours.shape[1]
+    edges = np.unique(np.minimum([*_BUCKETS, width], width))
+    bucket = np.searchsorted(edges, count)  # groups with edges[k−1] < count ≤ edges[k] are searched together
+    # one buffer for every bucket's distances (their fresh pages cost as much as the arithmetic); float32 named:
+    # torch's default dtype is process-wide, and transformers changes it while it builds a model
+    scratch = torch.empty(3 * int((np.bincount(bucket, minlength=len(edges)) * edges).max(initial=0)), dtype=torch.float32)
+    for k, upper in enumerate(edges.tolist()):
+        pick = np.flatnonzero(bucket == k)
         if not len(pick):
             continue
         mk, gk = m[pick], g[pick]
@@ -159,11 +163,13 @@ def _snap(t: Tables, levels: np.ndarray, xval: np.ndarray, waux: np.ndarray, sca
         xv = torch.from_numpy(np.ascontiguousarray(xval.reshape(xval.shape[0], -1, t.group)[mk, gk].T))[..., None]
         wa = torch.from_numpy(np.ascontiguousarray(waux.reshape(waux.shape[0], -1, t.group)[mk, gk].T))[..., None]
         s = torch.from_numpy(scale[mk])[:, None]
-        # float32 named: torch's default dtype is process-wide, and transformers changes it while it builds a model
-        d2, (diff, term) = torch.zeros(found.shape, dtype=torch.float32), torch.empty((2, *found.shape), dtype=torch.float32)
+        d2, diff, term = scratch[: 3 * found.size].view(3, *found.shape)
         for i, v in enumerate(values):  # a coordinate of every candidate at a time: ggml's order
             torch.mul(s, v, out=diff).sub_(xv[i])
-            d2.add_(torch.mul(wa[i], diff, out=term).mul_(diff))
+            if i == 0:  # the sum starts at the first term (0 + t is t: the terms are ≥ +0)
+                torch.mul(wa[0], diff, out=d2).mul_(diff)
+            else:
+                d2.add_(torch.mul(wa[i], diff, out=term).mul_(diff))
         d2 = d2.numpy()
         d2[found < 0] = np.inf  # padding
         point[mk, gk] = found[np.arange(len(pick)), np.argmin(d2, axis=1)]  # the first of equal distances, as ggml
