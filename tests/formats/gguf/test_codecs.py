@@ -239,17 +239,21 @@ def test_in_chunks_parts_cover_the_blocks_once(rows, cols, chunk, cpus, workers,
 def test_bytes_do_not_depend_on_torchs_default_dtype(default):
     """torch's default dtype is process-wide, and transformers sets it while it builds a model: the export's config
     check does so on a thread beside the encoding. Every encoder must name its dtypes (an IQ3_S distance buffer that
-    did not came out float16 there, and the bytes differed from llama.cpp's now and then)."""
+    did not name its dtype came out float16 there, and the bytes differed from llama.cpp's now and then)."""
     import torch
 
     w = weights(rows=12)
     importance = np.random.default_rng(4).gamma(0.5, 2.0, 512).astype(np.float32)
     kinds = [k for k in ALL if BLOCK_SIZES[k][0] > 1]  # the block types (F16, BF16 and F32 are conversions)
-    expected = {k: encode_tensor(w, k, importance if needs_importance(k) else None) for k in kinds}
+
+    def encode(kind):
+        return encode_tensor(w, kind, importance if needs_importance(kind) else None)
+
+    expected = {k: encode(k) for k in kinds}
     before = torch.get_default_dtype()
     torch.set_default_dtype(getattr(torch, default))
     try:
-        changed = [k.name for k in kinds if not np.array_equal(encode_tensor(w, k, importance if needs_importance(k) else None), expected[k])]
+        changed = [k.name for k in kinds if not np.array_equal(encode(k), expected[k])]
     finally:
         torch.set_default_dtype(before)
     assert not changed
