@@ -232,12 +232,12 @@ def _child(spec: dict) -> None:
     """`ours` in the fresh process: the run, timed by phase, its figures written to ``spec["report"]``."""
     import torch
 
-    from compress.cli.allocator import FRUGAL, set_allocator
+    from compress.cli.allocator import FRUGAL, recipe_policy, set_allocator
     from compress.cli.console import finish_process
     from compress.run.recipe import parse_recipe
     from compress.run.runner import run_recipe
 
-    set_allocator(FRUGAL)  # what quantize, prune and run get
+    set_allocator(FRUGAL)  # what quantize, prune and run start with
     args = argparse.Namespace(**spec["args"])
     torch.set_num_threads(args.threads)
     clock = PhaseClock()
@@ -250,8 +250,12 @@ def _child(spec: dict) -> None:
         "calibration": {"path": args.calib, "samples": args.samples, "seq_len": args.seq_len},
         "output": {"path": spec["out"], "format": "compressed-tensors"},
     }
+    if args.method == "rtn":  # `compress quantize --method rtn` takes no --calib
+        del recipe["calibration"]
+    parsed = parse_recipe(recipe)
+    set_allocator(recipe_policy(parsed) or FRUGAL)  # what the command switches to once it has read its recipe
     start = time.perf_counter()
-    run_recipe(parse_recipe(recipe))
+    run_recipe(parsed)
     run = time.perf_counter() - start
     device = torch.cuda.max_memory_allocated() / 1e9 if args.device == "cuda" else None
     Path(spec["report"]).write_text(json.dumps({"run": run, "seconds": dict(clock.seconds), "calls": dict(clock.calls),

@@ -47,6 +47,9 @@ def _run(data: dict[str, Any], source: str, as_json: bool) -> None:
 def _execute(recipe, as_json: bool) -> None:
     from compress.run.runner import run_recipe
 
+    policy = allocator.recipe_policy(recipe)  # the process's setting, made where the command knows its recipe
+    if policy is not None:
+        allocator.set_allocator(policy)
     if recipe.distill is not None:  # distillation shows its own progress (loss, tokens/s) and summary
         from compress.cli.distill import execute_distill
 
@@ -235,8 +238,6 @@ def run(recipe: Path = typer.Argument(..., help="YAML recipe."), resume: bool = 
     from compress.run.recipe import load_recipe
 
     loaded = load_recipe(recipe)
-    if loaded.export is not None:  # its GGUF encoding: the process's setting, made where the command knows its recipe
-        allocator.set_allocator(allocator.allocator_policy("export"))
     _execute(loaded.model_copy(update={"resume": True}) if resume else loaded, as_json)
 
 

@@ -46,7 +46,8 @@ from compress.engine.passes import (
 )
 from compress.checkpoints.model_io import ModelHandle, get_weight
 from compress.engine.one_pass import (
-    first_window, memory_for_one_pass, one_pass_batch, one_pass_capable, solve_while_propagating,
+    first_window, memory_for_one_pass, one_pass_batch, one_pass_capable, solve_while_propagating, window_chunks,
+    windows_of,
 )
 from compress.engine.reference import ReferenceStream
 from compress.engine.stages import BlockObserver, EngineResult, Stage  # noqa: F401 - imported from here too
@@ -124,6 +125,7 @@ class Engine:
         self.reference: ReferenceStream | None = None
         self._block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
         self._call_orders: dict[tuple, CallOrder] = {}  # (block class, selected layers) -> relative names, see _call_order
+        self._uncut: set[type] = set()  # block classes whose one-batch arguments do not cut into windows (_one_pass)
         self._in_blocks = tuple(name + "." for name in self._block_names)
         self._one_pass_stage = self._stage_for_one_pass()
 
@@ -302,18 +304,24 @@ class Engine:
         layers = {n: m for n, m in stage.layers.items() if n.startswith(block_name + ".")} if stage else {}
         if not layers or len(inputs) != 1:
             return None
+        windows, seq_len = inputs[0][0].shape[:2]
         try:  # the call order from one window: a fraction of a forward pass over all of them
-            order = self._call_order(block, block_name, layers, [first_window(inputs[0], inputs[0][0].shape[0])])
+            order = self._call_order(block, block_name, layers, [first_window(inputs[0], windows)])
         except (RuntimeError, ValueError, IndexError) as exc:  # an argument cut where it should not have been
             log.debug("%s: call order from every window (%s)", block_name, exc)
+            self._uncut.add(type(block))
             order = self._call_order(block, block_name, layers, inputs)
+        # chunks of windows where the arguments cut (and no argument of the sequence's length looks like the windows')
+        cut = type(block) not in self._uncut and windows != seq_len
+        parts = window_chunks(layers, windows, seq_len, inputs[0][0].element_size()) if cut else [slice(0, windows)]
+        chunks = [windows_of(inputs[0], windows, part) for part in parts] if len(parts) > 1 else [inputs[0]]
         if not order.once:
             return None
         earlier = self._compress_block(index, inputs, self.stages[:-1]) if len(self.stages) > 1 else []
         needs_of = functools.partial(self._group_needs, stage)
         solve_group = functools.partial(self._solve_group, stage, block, block_name, routing={}, inputs=inputs)
         try:
-            reports, hidden = solve_while_propagating(block, inputs[0], order, needs_of, solve_group)
+            reports, hidden = solve_while_propagating(block, chunks, order, needs_of, solve_group)
             reports = earlier + reports
         except CallsDiverged as exc:  # (the earlier stages run again on the weights read again)
             log.warning("%s: compressing pass by pass (%s)", block_name, exc)

@@ -26,6 +26,13 @@ from compress.engine.statistics import Stat, StatsCollector
 log = logging.getLogger(__name__)
 
 
+# The one pass's windows run in chunks (`compress.engine.turns`) whose widest temporary (an MLP's gate, up or product
+# output) stays within this: below the calibrating commands' mmap threshold (16 MiB, `compress.cli.allocator`), glibc
+# serves it from its heap, where the next chunk reuses the pages, instead of mapping and zero-filling fresh ones for each.
+CHUNK_BYTES = 15 << 20
+MAX_CHUNKS = 16  # threads, one per chunk (only one runs at a time); past this the chunks grow instead
+
+
 def one_pass_bytes(layers: dict[str, nn.Module], windows: int, seq_len: int, element: int, heads: int = 0) -> int:
     """About the memory a block's forward pass takes on ``windows`` windows in one batch: per token the
     residual, normed input, attention output and query (4 model widths), 3 of the widest layer's (an MLP's
@@ -63,32 +70,50 @@ def one_pass_batch(layers: dict[str, nn.Module], windows: torch.Tensor, config, 
     return needed <= allowed
 
 
-def solve_while_propagating(block: nn.Module, batch, order: CallOrder, needs_of: Callable[[dict], frozenset[Stat]],
+def solve_while_propagating(block: nn.Module, chunks: list, order: CallOrder,
+                            needs_of: Callable[[dict], frozenset[Stat]],
                             solve_group: Callable[[dict, StatsCollector], list]) -> tuple[list, torch.Tensor]:
-    """``block`` run once on ``batch`` (``(hidden, args, kwargs)``: every window), each of ``order``'s groups
-    transformed by ``solve_group(group, collector)`` from the statistics of the input it is about to be fed
-    (``needs_of(group)``): the reports and the compressed block's output. Raises `CallsDiverged` as
+    """``block`` run once on every window (``chunks`` of ``(hidden, args, kwargs)`` batches, `window_chunks`), each of
+    ``order``'s groups transformed by ``solve_group(group, collector)`` from the statistics of the input it is about
+    to be fed (``needs_of(group)``): the reports and the compressed block's output. Raises `CallsDiverged` as
     `run_solving` does."""
     reports: list = []
 
-    def solve(k: int, x: torch.Tensor) -> None:
+    def solve(k: int, xs: list[torch.Tensor]) -> None:
         group = order.groups[k]
         collector = StatsCollector(group, needs_of(group), order.same_input)
-        for name in group:
-            collector.feed(name, x)
+        for x in xs:  # the windows in order, as one batch would feed them
+            for name in group:
+                collector.feed(name, x)
         with torch.inference_mode(False):  # solve as the pass-by-pass engine does, outside the forward's mode
             reports.extend(solve_group(group, collector))
 
-    return reports, run_solving(block, batch, order.groups, solve)
+    return reports, run_solving(block, chunks, order.groups, solve)
+
+
+def window_chunks(layers: dict[str, nn.Module], windows: int, seq_len: int, element: int) -> list[slice]:
+    """The windows cut into chunks (as even as may be, in order) whose widest layer's output stays within
+    `CHUNK_BYTES`, at most `MAX_CHUNKS` of them."""
+    widest = max(max(get_weight(module).shape) for module in layers.values())
+    per_chunk = max(1, CHUNK_BYTES // (seq_len * widest * element))
+    count = min(MAX_CHUNKS, -(-windows // per_chunk))
+    bounds = [windows * i // count for i in range(count + 1)]
+    return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
+
+
+def windows_of(value, batch: int, part: slice):
+    """``value`` (a tensor, or tuples, lists and dicts of them) cut to the windows ``part`` wherever a tensor of 2 or
+    more dimensions has the ``batch`` size first (a one-batch capture's arguments: hidden states, positions, masks;
+    not a 1-D ``cache_position``)."""
+    if isinstance(value, torch.Tensor):
+        return value[part] if value.dim() > 1 and value.shape[0] == batch else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(windows_of(v, batch, part) for v in value)
+    if isinstance(value, dict):
+        return {k: windows_of(v, batch, part) for k, v in value.items()}
+    return value
 
 
 def first_window(value, batch: int):
-    """``value`` (a tensor, or tuples, lists and dicts of them) cut to its first window wherever a tensor's first
-    dimension is the ``batch`` size: a cheap sample of a one-batch capture, to learn a block's call order on."""
-    if isinstance(value, torch.Tensor):
-        return value[:1] if value.dim() and value.shape[0] == batch else value
-    if isinstance(value, (tuple, list)):
-        return type(value)(first_window(v, batch) for v in value)
-    if isinstance(value, dict):
-        return {k: first_window(v, batch) for k, v in value.items()}
-    return value
+    """`windows_of` the first window: a cheap sample of a one-batch capture, to learn a block's call order on."""
+    return windows_of(value, batch, slice(0, 1))

@@ -12,11 +12,14 @@
 from __future__ import annotations
 
 import collections
+import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import nn
+
+from compress.engine.turns import take_turns
 
 
 class StopForward(Exception):
@@ -128,44 +131,59 @@ def inputs_of(block: nn.Module, batch, layers: dict[str, nn.Module]) -> dict[str
     return seen
 
 
-def run_solving(block: nn.Module, batch, groups: list[dict[str, nn.Module]],
-                solve: Callable[[int, torch.Tensor], None]) -> torch.Tensor:
-    """``block``'s output on one ``(hidden, args, kwargs)`` batch, each of ``groups`` (a `CallOrder`'s, every
-    layer called once) transformed by ``solve(k, x)`` just before its first layer runs, ``x`` the input the
-    group is about to be fed. Each group's input is then computed with the groups before it transformed, which
-    is what true-sequential's statistics pass for that group sees (`run_until_called`), and the output is the
-    transformed block's (the propagation): one forward pass where the passes cost about 2 and propagation 1.
+def run_solving(block: nn.Module, chunks: list, groups: list[dict[str, nn.Module]],
+                solve: Callable[[int, list[torch.Tensor]], None]) -> torch.Tensor:
+    """``block``'s output on the calibration windows, given as ``chunks`` of ``(hidden, args, kwargs)`` batches, each
+    of ``groups`` (a `CallOrder`'s, every layer called once) transformed by ``solve(k, xs)`` just before its first
+    layer runs, ``xs`` the input each chunk is about to feed the group, in order. Each group's input is then computed
+    with the groups before it transformed, which is what true-sequential's statistics pass for that group sees
+    (`run_until_called`), and the output (the chunks' outputs joined) is the transformed block's (the propagation):
+    one forward pass where the passes cost about 2 and propagation 1. Several chunks take turns
+    (`compress.engine.turns`): each runs until it reaches a group and hands over; the last to arrive solves the group.
     Raises `CallsDiverged` when a layer is not fed its group's input, called twice or never."""
     where = {name: (k, j) for k, group in enumerate(groups) for j, name in enumerate(group)}
-    fed: dict[int, torch.Tensor] = {}
-    called: set[str] = set()
+    arrived: list[list[torch.Tensor | None]] = [[None] * len(chunks) for _ in groups]  # each chunk's input of group k
+    solved = [False] * len(groups)
+    local = threading.local()  # which chunk the calling thread runs, its turns, what it has fed and called
 
     def hook_for(name: str):
         k, position = where[name]
 
         def hook(_module, args, kwargs):
-            x = layer_input(args, kwargs)
-            if name in called or (position > 0 and fed.get(k) is not x):
+            x, chunk = layer_input(args, kwargs), local.chunk
+            if name in local.called or (position > 0 and local.fed.get(k) is not x):
                 raise CallsDiverged(f"{name} was called twice or not on its group's input")
-            called.add(name)
-            if position == 0:
-                fed[k] = x
-                solve(k, x)
+            local.called.add(name)
+            if position:
+                return
+            local.fed[k] = arrived[k][chunk] = x
+            if all(a is not None for a in arrived[k]):  # the last chunk to get here
+                solve(k, arrived[k])
+                solved[k], arrived[k] = True, []
+            else:
+                local.turns.hand_over(chunk)
+                if not solved[k]:  # every other chunk has finished without reaching the group
+                    raise CallsDiverged(f"{name} was not called on every chunk of windows")
 
         return hook
+
+    def run_chunk(turns, chunk: int) -> torch.Tensor:
+        local.chunk, local.turns, local.fed, local.called = chunk, turns, {}, set()
+        with torch.inference_mode():
+            h, args, kwargs = chunks[chunk]
+            out = block_output(block(h, *args, **kwargs))
+        if len(local.called) != len(where):
+            raise CallsDiverged(f"{sorted(set(where) - local.called)[0]} was never called")
+        return out
 
     handles = [module.register_forward_pre_hook(hook_for(name), with_kwargs=True)
                for group in groups for name, module in group.items()]
     try:
-        with torch.inference_mode():
-            h, args, kwargs = batch
-            out = block_output(block(h, *args, **kwargs))
+        outputs = take_turns([run_chunk] * len(chunks))
     finally:
         for handle in handles:
             handle.remove()
-    if len(called) != len(where):
-        raise CallsDiverged(f"{sorted(set(where) - called)[0]} was never called")
-    return out
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 
 @dataclass(frozen=True)

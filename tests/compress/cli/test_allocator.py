@@ -11,22 +11,22 @@ from typer.testing import CliRunner
 
 from compress.cli import allocator, app
 
-# Run in a fresh interpreter: apply a policy, allocate 2 MB, and say whether it came from the heap (brk) or from a
-# mapping of its own; /proc/self/maps names the heap's range "[heap]".
+# Run in a fresh interpreter: apply a policy, allocate some MB, and say whether they came from the heap (brk) or from a
+# mapping of their own; /proc/self/maps names the heap's range "[heap]".
 PROBE = """
 import sys
 import numpy as np
-from compress.cli.allocator import FRUGAL, STREAMING, set_allocator
-set_allocator({"frugal": FRUGAL, "streaming": STREAMING}[sys.argv[1]])
-block = np.empty(2 << 20, dtype=np.uint8)
+from compress.cli.allocator import CALIBRATING, FRUGAL, STREAMING, set_allocator
+set_allocator({"frugal": FRUGAL, "streaming": STREAMING, "calibrating": CALIBRATING}[sys.argv[1]])
+block = np.empty(int(sys.argv[2]) << 20, dtype=np.uint8)
 address = block.__array_interface__["data"][0]
 heap = [line.split()[0].split("-") for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
 print(any(int(lo, 16) <= address < int(hi, 16) for lo, hi in heap))
 """
 
 
-def from_heap(policy: str) -> bool:
-    out = subprocess.run([sys.executable, "-c", PROBE, policy], capture_output=True, text=True, check=True)
+def from_heap(policy: str, megabytes: int = 2) -> bool:
+    out = subprocess.run([sys.executable, "-c", PROBE, policy, str(megabytes)], capture_output=True, text=True, check=True)
     return out.stdout.strip() == "True"
 
 
@@ -34,6 +34,15 @@ def from_heap(policy: str) -> bool:
 def test_policies_decide_where_a_2mb_buffer_comes_from():
     assert not from_heap("frugal")  # 1 MB threshold: its own mapping, returned to the OS when freed
     assert from_heap("streaming")  # 4 MB threshold: the heap, reused by the next chunk's temporaries
+    assert not from_heap("streaming", 12)
+
+
+@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+def test_the_calibrating_policy_keeps_a_chunks_temporaries_on_the_heap():
+    from compress.engine.one_pass import CHUNK_BYTES
+
+    assert from_heap("calibrating", CHUNK_BYTES >> 20)  # the widest temporary of a chunk of windows
+    assert not from_heap("calibrating", 2 * CHUNK_BYTES >> 20)
 
 
 @pytest.mark.parametrize("command, policy", [("export", "STREAMING"), ("measure", "STREAMING"), ("quantize", "FRUGAL"), ("inspect", "FRUGAL")])
@@ -45,18 +54,28 @@ def test_each_command_runs_under_its_policy(monkeypatch, command, policy):
     assert applied == [getattr(allocator, policy)]
 
 
-@pytest.mark.parametrize("export, policy", [("", "FRUGAL"), ("export: {path: OUT.gguf, type: q6_k}\n", "STREAMING")], ids=["no-export", "export"])
-def test_a_recipe_that_exports_gguf_runs_under_the_export_policy(monkeypatch, tmp_path, export, policy):
-    from compress.cli import compressing
-    from conftest import REFERENCE_MODEL
+@pytest.mark.parametrize("extra, policy", [
+    ("", "FRUGAL"),
+    ("export: {path: OUT.gguf, type: q6_k}\n", "STREAMING"),
+    ("calibration: {path: CALIB, samples: 2, seq_len: 16}\n", "CALIBRATING"),
+    ("calibration: {path: CALIB, samples: 2, seq_len: 16}\nexport: {path: OUT.gguf, type: q6_k}\n", "STREAMING"),
+], ids=["plain", "export", "calibration", "calibration-and-export"])
+def test_a_recipe_runs_under_the_policy_of_its_hot_loop(monkeypatch, tmp_path, extra, policy):
+    from conftest import CALIB_TEXT, REFERENCE_MODEL
 
-    applied, executed = [], []
+    class Ran(Exception):
+        """The run began (under the policy applied last)."""
+
+    def run_recipe(recipe, *args, **kwargs):
+        raise Ran
+
+    applied = []
     monkeypatch.setattr(allocator, "set_allocator", applied.append)
-    monkeypatch.setattr(compressing, "_execute", lambda recipe, as_json: executed.append(recipe))
+    monkeypatch.setattr("compress.run.runner.run_recipe", run_recipe)
     recipe = tmp_path / "recipe.yaml"
     out = tmp_path / "out"
     recipe.write_text(f"model: {REFERENCE_MODEL}\nstages: [{{method: rtn}}]\noutput: {{path: {out}, format: fake}}\n"
-                      + export.replace("OUT", str(out)))
-    result = CliRunner().invoke(app, ["run", str(recipe)], catch_exceptions=False)
-    assert result.exit_code == 0 and len(executed) == 1
+                      + extra.replace("OUT", str(out)).replace("CALIB", str(CALIB_TEXT)))
+    with pytest.raises(Ran):
+        CliRunner().invoke(app, ["run", str(recipe)], catch_exceptions=False)
     assert applied[-1] == getattr(allocator, policy)

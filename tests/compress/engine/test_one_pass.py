@@ -3,6 +3,7 @@ pass-by-pass engine and against hand-computed toy blocks."""
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 
 import pytest
@@ -11,6 +12,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from compress.checkpoints.model_io import open_model, quantizable_layers
+from compress.engine import block_engine
 from compress.engine.block_engine import Engine, Stage
 from compress.engine.methods.gptq import GPTQ
 from compress.engine.one_pass import first_window, one_pass_bytes
@@ -34,16 +36,28 @@ class Toy(nn.Module):
         return self.b(torch.relu(self.a(x)) + x) * scale
 
 
-def test_each_group_is_solved_on_the_input_it_is_about_to_get():
-    toy, x = Toy(), torch.randn(2, 3, 4)
+class Partial(Toy):
+    """b is called only on batches of more than one window."""
+
+    def forward(self, x, scale=1.0):
+        h = torch.relu(self.a(x)) + x
+        return self.b(h) if x.shape[0] > 1 else h
+
+
+@pytest.mark.parametrize("chunks", [[slice(0, 3)], [slice(0, 1), slice(1, 3)], [slice(0, 1), slice(1, 2), slice(2, 3)]])
+def test_each_group_is_solved_on_the_input_it_is_about_to_get(chunks):
+    """In one batch or in chunks taking turns: each group solved once, on every window's input in order."""
+    toy, x = Toy(), torch.randn(3, 2, 4)
+    groups = [{"a": toy.a}, {"b": toy.b}]
     seen = {}
 
-    def solve(k, inp):
-        name, module = next(iter([{"a": toy.a}, {"b": toy.b}][k].items()))
-        seen[name] = inp.clone()
+    def solve(k, inputs):
+        name, module = next(iter(groups[k].items()))
+        assert name not in seen
+        seen[name] = torch.cat(inputs).clone()
         module.weight.data = module.weight.data.round()  # the "compression": whole-number weights
 
-    out = run_solving(toy, (x, (), {"scale": 2.0}), [{"a": toy.a}, {"b": toy.b}], solve)
+    out = run_solving(toy, [(x[part], (), {"scale": 2.0}) for part in chunks], groups, solve)
     a_w, b_w = toy.a.weight.detach(), toy.b.weight.detach()
     hidden = torch.relu(x @ a_w.t() + toy.a.bias.detach()) + x  # computed by hand with the rounded a
     torch.testing.assert_close(seen["a"], x)
@@ -55,9 +69,45 @@ def test_each_group_is_solved_on_the_input_it_is_about_to_get():
 def test_a_layer_fed_another_input_than_its_group_is_refused():
     toy = Toy()
     with pytest.raises(CallsDiverged, match="b"):
-        run_solving(toy, (torch.randn(1, 2, 4), (), {}), [{"a": toy.a, "b": toy.b}], lambda k, x: None)
+        run_solving(toy, [(torch.randn(1, 2, 4), (), {})], [{"a": toy.a, "b": toy.b}], lambda k, x: None)
     with pytest.raises(CallsDiverged, match="never called"):
-        run_solving(toy.a, (torch.randn(1, 2, 4), (), {}), [{"a": toy.a}, {"b": toy.b}], lambda k, x: None)
+        run_solving(toy.a, [(torch.randn(1, 2, 4), (), {})], [{"a": toy.a}, {"b": toy.b}], lambda k, x: None)
+
+
+@pytest.mark.parametrize("first", [1, 2])
+def test_a_chunk_that_skips_a_group_is_refused_without_solving_it(first):
+    """Chunks of 1 and 2 windows, in either order: the one-window chunk never calls b."""
+    toy, x, solved = Partial(), torch.randn(3, 2, 4), []
+    parts = [slice(0, first), slice(first, 3)]
+    with pytest.raises(CallsDiverged, match="b"):
+        run_solving(toy, [(x[part], (), {}) for part in parts], [{"a": toy.a}, {"b": toy.b}],
+                    lambda k, xs: solved.append(k))
+    assert solved == [0]
+
+
+def test_a_failing_solve_stops_every_chunk():
+    toy, x = Toy(), torch.randn(4, 2, 4)
+    threads = threading.active_count()
+
+    def solve(k, xs):
+        if k == 1:
+            raise ArithmeticError("no")
+
+    with pytest.raises(ArithmeticError):
+        run_solving(toy, [(x[i : i + 1], (), {}) for i in range(4)], [{"a": toy.a}, {"b": toy.b}], solve)
+    assert threading.active_count() == threads
+
+
+def test_window_chunks_are_even_in_order_and_bounded(monkeypatch):
+    from compress.engine import one_pass
+
+    layers = {"up": nn.Linear(64, 256)}  # widest 256: 16 tokens x 256 x 4 bytes = 16 KiB a window
+    monkeypatch.setattr(one_pass, "CHUNK_BYTES", 3 * 16 * 256 * 4)
+    assert one_pass.window_chunks(layers, 2, 16, 4) == [slice(0, 2)]
+    assert one_pass.window_chunks(layers, 7, 16, 4) == [slice(0, 2), slice(2, 4), slice(4, 7)]
+    assert one_pass.window_chunks(layers, 7, 64, 4) == [slice(i, i + 1) for i in range(7)]  # a window each, at least
+    monkeypatch.setattr(one_pass, "MAX_CHUNKS", 2)
+    assert one_pass.window_chunks(layers, 7, 64, 4) == [slice(0, 3), slice(3, 7)]
 
 
 def _gptq():
@@ -76,10 +126,29 @@ def test_one_pass_writes_what_pass_by_pass_writes(tmp_path):
         torch.testing.assert_close(one[name], passes[name], rtol=1e-5, atol=1e-6, msg=name)
 
 
+def test_one_pass_in_chunks_writes_what_one_batch_writes(tmp_path, monkeypatch):
+    """The windows' forward passes in chunks taking turns (the arguments cut by window): the same tensors."""
+    from compress.engine import one_pass
+
+    model_dir = save_random_model(tiny_llama_config(VOCAB), tmp_path / "in")
+    calibration = torch.randint(0, VOCAB, (5, 24), generator=torch.Generator().manual_seed(1))
+    chunked = []
+    monkeypatch.setattr(one_pass, "CHUNK_BYTES", 1)  # a window each
+    monkeypatch.setattr(block_engine, "solve_while_propagating", lambda block, chunks, *a, solve=block_engine.solve_while_propagating: (
+        chunked.append(len(chunks)), solve(block, chunks, *a))[1])
+    run_engine(model_dir, tmp_path / "chunks", _gptq(), calibration, batch_size=8)
+    monkeypatch.setattr(one_pass, "CHUNK_BYTES", 1 << 30)
+    run_engine(model_dir, tmp_path / "one", _gptq(), calibration, batch_size=8)
+    assert chunked == [5, 5, 1, 1]
+    one, chunks = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "chunks" / "model.safetensors")
+    assert one.keys() == chunks.keys()
+    for name in one:
+        torch.testing.assert_close(chunks[name], one[name], rtol=0, atol=0, msg=name)
+
+
 def test_a_last_stage_rides_the_pass_after_the_stages_before_it(tmp_path, monkeypatch, tiny_tokenizer):
     """SmoothQuant then GPTQ W8A8: each block is smoothed pass by pass, then GPTQ solves it in the one pass; the
     tensors are those of the run that takes every pass (the recipe's `activation_memory` leaves no room for one)."""
-    from compress.engine import block_engine
     from compress.run.recipe import parse_recipe
     from compress.run.runner import run_recipe
     from conftest import CALIB_TEXT
