@@ -317,7 +317,7 @@ class Engine:
         chunks = [windows_of(inputs[0], windows, part) for part in parts] if len(parts) > 1 else [inputs[0]]
         if not order.once:
             return None
-        earlier = self._compress_block(index, inputs, self.stages[:-1]) if len(self.stages) > 1 else []
+        earlier = self._compress_block(index, chunks, self.stages[:-1]) if len(self.stages) > 1 else []  # pass by pass, by chunk
         needs_of = functools.partial(self._group_needs, stage)
         solve_group = functools.partial(self._solve_group, stage, block, block_name, routing={}, inputs=inputs)
         try:

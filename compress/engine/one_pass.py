@@ -7,7 +7,9 @@ pass over all calibration windows in a single batch, each group transformed just
 block's outputs: about 1 block forward where the statistics passes cost about 2 and propagation 1. It needs
 the windows in one batch, so it is taken where that batch's forward pass fits in memory (`one_pass_bytes`), by
 methods that transform each layer alone from its input statistics (a method that rescales a norm, like AWQ, or
-replays the block, changes what already ran).
+replays the block, changes what already ran). That batch's forward runs in chunks of windows that take turns
+(`window_chunks`, `compress.engine.turns`): the statistics and solves are those of the whole batch, but each
+temporary is a chunk's, which the heap can reuse; the stages before the last run pass by pass over the same chunks.
 """
 
 from __future__ import annotations

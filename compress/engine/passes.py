@@ -5,7 +5,7 @@
 - `run_until_called`: a statistics pass that stops once the layers it collects for have run; `inputs_of`: the
   inputs a batch feeds some layers, from such a pass.
 - `run_solving`: true-sequential in one pass: each group of layers transformed just before it runs, the
-  block's output the transformed block's.
+  block's output the transformed block's (the windows in chunks taking turns, `compress.engine.turns`).
 - `call_order`: the block's layers grouped in call order, and the sets of them fed the very same tensor.
 """
 

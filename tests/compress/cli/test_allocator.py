@@ -54,13 +54,20 @@ def test_each_command_runs_under_its_policy(monkeypatch, command, policy):
     assert applied == [getattr(allocator, policy)]
 
 
-@pytest.mark.parametrize("extra, policy", [
-    ("", "FRUGAL"),
-    ("export: {path: OUT.gguf, type: q6_k}\n", "STREAMING"),
-    ("calibration: {path: CALIB, samples: 2, seq_len: 16}\n", "CALIBRATING"),
-    ("calibration: {path: CALIB, samples: 2, seq_len: 16}\nexport: {path: OUT.gguf, type: q6_k}\n", "STREAMING"),
-], ids=["plain", "export", "calibration", "calibration-and-export"])
-def test_a_recipe_runs_under_the_policy_of_its_hot_loop(monkeypatch, tmp_path, extra, policy):
+CALIBRATION = "calibration: {path: CALIB, samples: 2, seq_len: 16}\n"
+EXPORT = "export: {path: OUT.gguf, type: q6_k}\n"
+
+
+@pytest.mark.parametrize("method, extra, policy", [
+    ("rtn", "", "FRUGAL"),
+    ("rtn", EXPORT, "STREAMING"),
+    ("rtn", CALIBRATION, "FRUGAL"),
+    ("gptq", CALIBRATION, "CALIBRATING"),
+    ("gptq", CALIBRATION + EXPORT, "STREAMING"),
+    ("awq", CALIBRATION, "FRUGAL"),
+], ids=["rtn", "export", "rtn-with-calibration", "gptq", "gptq-and-export", "awq"])
+def test_a_recipe_runs_under_the_policy_of_its_hot_loop(monkeypatch, tmp_path, method, extra, policy):
+    """GPTQ's one pass under CALIBRATING; AWQ (batch by batch) and RTN (no statistics) keep FRUGAL."""
     from conftest import CALIB_TEXT, REFERENCE_MODEL
 
     class Ran(Exception):
@@ -74,7 +81,7 @@ def test_a_recipe_runs_under_the_policy_of_its_hot_loop(monkeypatch, tmp_path, e
     monkeypatch.setattr("compress.run.runner.run_recipe", run_recipe)
     recipe = tmp_path / "recipe.yaml"
     out = tmp_path / "out"
-    recipe.write_text(f"model: {REFERENCE_MODEL}\nstages: [{{method: rtn}}]\noutput: {{path: {out}, format: fake}}\n"
+    recipe.write_text(f"model: {REFERENCE_MODEL}\nstages: [{{method: {method}}}]\noutput: {{path: {out}, format: fake}}\n"
                       + extra.replace("OUT", str(out)).replace("CALIB", str(CALIB_TEXT)))
     with pytest.raises(Ran):
         CliRunner().invoke(app, ["run", str(recipe)], catch_exceptions=False)

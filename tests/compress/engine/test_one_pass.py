@@ -146,9 +146,14 @@ def test_one_pass_in_chunks_writes_what_one_batch_writes(tmp_path, monkeypatch):
         torch.testing.assert_close(chunks[name], one[name], rtol=0, atol=0, msg=name)
 
 
-def test_a_last_stage_rides_the_pass_after_the_stages_before_it(tmp_path, monkeypatch, tiny_tokenizer):
-    """SmoothQuant then GPTQ W8A8: each block is smoothed pass by pass, then GPTQ solves it in the one pass; the
-    tensors are those of the run that takes every pass (the recipe's `activation_memory` leaves no room for one)."""
+@pytest.mark.parametrize("chunk_bytes", [15 << 20, 1], ids=["one-chunk", "a-window-a-chunk"])
+def test_a_last_stage_rides_the_pass_after_the_stages_before_it(tmp_path, monkeypatch, tiny_tokenizer, chunk_bytes):
+    """SmoothQuant then GPTQ W8A8: each block is smoothed pass by pass (over the one pass's chunks of windows), then
+    GPTQ solves it in the one pass; the tensors are those of the run that takes every pass (the recipe's
+    `activation_memory` leaves no room for one)."""
+    from compress.engine import one_pass
+
+    monkeypatch.setattr(one_pass, "CHUNK_BYTES", chunk_bytes)
     from compress.run.recipe import parse_recipe
     from compress.run.runner import run_recipe
     from conftest import CALIB_TEXT
