@@ -57,7 +57,9 @@ def _execute(recipe, as_json: bool) -> None:
 
     with progress_bars(not as_json) as progress:
         on_layer = None if as_json else lambda report: console.print(layer_line(report), highlight=False)
-        result = run_recipe(recipe, progress, command=command_line(), on_layer=on_layer)
+        # the one pass's chunks of windows where the heap serves them (CALIBRATING's reason)
+        result = run_recipe(recipe, progress, command=command_line(), on_layer=on_layer,
+                            window_chunks=policy is allocator.CALIBRATING)
     summary = result.to_dict()
     if as_json:
         print_json(summary)

@@ -93,6 +93,7 @@ class Engine:
         activation_memory: int | None = None,
         scratch: Path | None = None,
         outer_weights: dict[str, torch.Tensor] | None = None,
+        window_chunks: bool = False,
     ):
         """``packer``: the output format that writes each quantized layer's codes (None: dense weights).
         ``keep_final_hidden``: return the compressed last block's outputs on the calibration data (the
@@ -103,8 +104,12 @@ class Engine:
         block inputs kept in memory, the rest in a file in ``scratch`` (default: all in memory).
         ``outer_weights``: parameters outside the blocks as the compressed model will hold them (a GGUF file's
         rounded embeddings), by name: the compressed model's block-0 inputs are captured with them, the
-        uncompressed model's (asymmetric calibration) with the checkpoint's."""
+        uncompressed model's (asymmetric calibration) with the checkpoint's. ``window_chunks``: run the one pass's
+        windows in chunks taking turns on threads (`compress.engine.one_pass.window_chunks`); it pays only where the
+        process's allocator serves a chunk's temporaries from one heap (`compress.cli.allocator.CALIBRATING`), and
+        with glibc's own settings each chunk's thread would get a heap of its own."""
         self.outer_weights = outer_weights or {}
+        self.window_chunks = window_chunks
         self.handle = handle
         self.activation_memory = activation_memory
         self.scratch = scratch
@@ -313,7 +318,7 @@ class Engine:
             order = self._call_order(block, block_name, layers, inputs)
         # chunks of windows where the arguments cut (and no argument of the sequence's length looks like the windows'),
         # on the CPU: they are for glibc's heap (a GPU's caching allocator reuses the whole batch's memory already)
-        cut = type(block) not in self._uncut and windows != seq_len and inputs[0][0].device.type == "cpu"
+        cut = self.window_chunks and type(block) not in self._uncut and windows != seq_len and inputs[0][0].device.type == "cpu"
         parts = window_chunks(layers, windows, seq_len, inputs[0][0].element_size()) if cut else [slice(0, windows)]
         chunks = [windows_of(inputs[0], windows, part) for part in parts] if len(parts) > 1 else [inputs[0]]
         if not order.once:

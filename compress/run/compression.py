@@ -172,10 +172,11 @@ def _write_quantization_config(directory: Path, quantization_config: dict[str, A
 
 
 def run_stages(
-    recipe: Recipe, progress: ProgressFn | None = None, command: str | None = None, on_layer: LayerFn | None = None
+    recipe: Recipe, progress: ProgressFn | None = None, command: str | None = None, on_layer: LayerFn | None = None,
+    window_chunks: bool = False,
 ) -> RunResult:
     """Compress ``recipe.model`` by its stages and write ``recipe.output.path`` atomically (then evaluate
-    and export it, as the recipe says)."""
+    and export it, as the recipe says). ``window_chunks``: the engine's (`compress.engine.block_engine.Engine`)."""
     reshaping = check_reshaping_stages(recipe, recipe.methods())
     if reshaping is not None:  # structured pruning: a new checkpoint of other shapes, not the block engine
         if recipe.resume:
@@ -207,6 +208,7 @@ def run_stages(
         handle, stages, device, batch_size=cal.batch_size if cal else 8, progress=progress, on_layer=on_layer, packer=packer,
         observer=observer, all_experts=cal.all_experts if cal else True, ranks=ranks,
         activation_memory=cal.activation_memory if cal else None, scratch=scratch_beside(recipe.output.path),
+        window_chunks=window_chunks,
     )
     engine.check_stages()  # a layer the method cannot take fails before the calibration set is tokenized
     calibration = None

@@ -73,7 +73,8 @@ def test_a_recipe_runs_under_the_policy_of_its_hot_loop(monkeypatch, tmp_path, m
     class Ran(Exception):
         """The run began (under the policy applied last)."""
 
-    def run_recipe(recipe, *args, **kwargs):
+    def run_recipe(recipe, *args, window_chunks=False, **kwargs):
+        assert window_chunks == (policy == "CALIBRATING")  # chunks of windows only where the heap serves them
         raise Ran
 
     applied = []

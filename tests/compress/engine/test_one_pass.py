@@ -136,10 +136,12 @@ def test_one_pass_in_chunks_writes_what_one_batch_writes(tmp_path, monkeypatch):
     monkeypatch.setattr(one_pass, "CHUNK_BYTES", 1)  # a window each
     monkeypatch.setattr(block_engine, "solve_while_propagating", lambda block, chunks, *a, solve=block_engine.solve_while_propagating: (
         chunked.append(len(chunks)), solve(block, chunks, *a))[1])
-    run_engine(model_dir, tmp_path / "chunks", _gptq(), calibration, batch_size=8)
+    run_engine(model_dir, tmp_path / "chunks", _gptq(), calibration, batch_size=8, window_chunks=True)
     monkeypatch.setattr(one_pass, "CHUNK_BYTES", 1 << 30)
-    run_engine(model_dir, tmp_path / "one", _gptq(), calibration, batch_size=8)
-    assert chunked == [5, 5, 1, 1]
+    run_engine(model_dir, tmp_path / "one", _gptq(), calibration, batch_size=8, window_chunks=True)
+    monkeypatch.setattr(one_pass, "CHUNK_BYTES", 1)
+    run_engine(model_dir, tmp_path / "off", _gptq(), calibration, batch_size=8)  # not asked for: one batch
+    assert chunked == [5, 5, 1, 1, 1, 1]
     one, chunks = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "chunks" / "model.safetensors")
     assert one.keys() == chunks.keys()
     for name in one:
@@ -166,7 +168,8 @@ def test_a_last_stage_rides_the_pass_after_the_stages_before_it(tmp_path, monkey
     for name, memory in [("one", None), ("passes", 1)]:
         calibration = {"path": CALIB_TEXT, "samples": 6, "seq_len": 24, "batch_size": 2, **({"activation_memory": memory} if memory else {})}
         run_recipe(parse_recipe({"model": model_dir, "calibration": calibration, "output": {"path": tmp_path / name},
-                                 "stages": [{"method": "smoothquant"}, {"method": "gptq", "scheme": "w8a8-int8"}]}))
+                                 "stages": [{"method": "smoothquant"}, {"method": "gptq", "scheme": "w8a8-int8"}]}),
+                   window_chunks=True)
         outputs[name] = load_file(tmp_path / name / "model.safetensors")
         if name == "one":
             assert len(passes) == 2  # both blocks
