@@ -232,7 +232,7 @@ def _child(spec: dict) -> None:
     """`ours` in the fresh process: the run, timed by phase, its figures written to ``spec["report"]``."""
     import torch
 
-    from compress.cli.allocator import CALIBRATING, FRUGAL, recipe_policy, set_allocator
+    from compress.cli.allocator import FRUGAL, recipe_policy, set_allocator
     from compress.cli.console import finish_process
     from compress.run.recipe import parse_recipe
     from compress.run.runner import run_recipe
@@ -256,7 +256,7 @@ def _child(spec: dict) -> None:
     policy = recipe_policy(parsed) or FRUGAL  # what the command switches to once it has read its recipe
     set_allocator(policy)
     start = time.perf_counter()
-    run_recipe(parsed, window_chunks=policy is CALIBRATING)
+    run_recipe(parsed, window_chunks=policy.window_chunks)
     run = time.perf_counter() - start
     device = torch.cuda.max_memory_allocated() / 1e9 if args.device == "cuda" else None
     Path(spec["report"]).write_text(json.dumps({"run": run, "seconds": dict(clock.seconds), "calls": dict(clock.calls),

@@ -13,11 +13,14 @@ M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_ARENA_MAX = -3, -1, -8  # mallopt's parame
 class AllocatorPolicy:
     """glibc's malloc settings for the process: allocations of ``mmap_threshold`` bytes or more get their own
     mapping, returned to the OS when freed; ``trim_threshold`` (None: glibc's) is how much free memory the heap's
-    top may keep instead of returning it; ``arenas`` (None: glibc's, 8 per core) caps the heaps threads allocate from."""
+    top may keep instead of returning it; ``arenas`` (None: glibc's, 8 per core) caps the heaps threads allocate from.
+    ``window_chunks``: the heap serves the one pass's chunks of windows, so the run should ask the engine for them
+    (`compress.engine.block_engine.Engine`)."""
 
     mmap_threshold: int
     trim_threshold: int | None = None
     arenas: int | None = None
+    window_chunks: bool = False
 
 
 # Long-lived block-sized tensors (quantize, prune, eval, ...): glibc raises its mmap threshold (up to 32 MB) after
@@ -38,7 +41,7 @@ STREAMING = AllocatorPolicy(mmap_threshold=4 << 20, trim_threshold=64 << 20)
 # chunk reuses their pages; under FRUGAL each was a fresh mapping, page-faulted in (3.3 M faults, 7.2 s of system time
 # in GPTQ on SmolLM2's first 8 blocks, 32 x 512 tokens: 20.7-22.0 -> 16.4-18.2 s, peak RSS 1.02 -> 1.14-1.21 GB). One
 # arena: the chunks run on threads of their own (one at a time), and glibc would give each its own heap (1.86 GB).
-CALIBRATING = AllocatorPolicy(mmap_threshold=16 << 20, arenas=1)
+CALIBRATING = AllocatorPolicy(mmap_threshold=16 << 20, arenas=1, window_chunks=True)
 COMMAND_ALLOCATOR = {"export": STREAMING, "measure": STREAMING}
 
 

@@ -50,6 +50,7 @@ def _execute(recipe, as_json: bool) -> None:
     policy = allocator.recipe_policy(recipe)  # the process's setting, made where the command knows its recipe
     if policy is not None:
         allocator.set_allocator(policy)
+    window_chunks = policy is not None and policy.window_chunks
     if recipe.distill is not None:  # distillation shows its own progress (loss, tokens/s) and summary
         from compress.cli.distill import execute_distill
 
@@ -57,9 +58,7 @@ def _execute(recipe, as_json: bool) -> None:
 
     with progress_bars(not as_json) as progress:
         on_layer = None if as_json else lambda report: console.print(layer_line(report), highlight=False)
-        # the one pass's chunks of windows where the heap serves them (CALIBRATING's reason)
-        result = run_recipe(recipe, progress, command=command_line(), on_layer=on_layer,
-                            window_chunks=policy is allocator.CALIBRATING)
+        result = run_recipe(recipe, progress, command=command_line(), on_layer=on_layer, window_chunks=window_chunks)
     summary = result.to_dict()
     if as_json:
         print_json(summary)

@@ -316,13 +316,13 @@ class Engine:
             log.debug("%s: call order from every window (%s)", block_name, exc)
             self._uncut.add(type(block))
             order = self._call_order(block, block_name, layers, inputs)
+        if not order.once:
+            return None
         # chunks of windows where the arguments cut (and no argument of the sequence's length looks like the windows'),
         # on the CPU: they are for glibc's heap (a GPU's caching allocator reuses the whole batch's memory already)
         cut = self.window_chunks and type(block) not in self._uncut and windows != seq_len and inputs[0][0].device.type == "cpu"
         parts = window_chunks(layers, windows, seq_len, inputs[0][0].element_size()) if cut else [slice(0, windows)]
         chunks = [windows_of(inputs[0], windows, part) for part in parts] if len(parts) > 1 else [inputs[0]]
-        if not order.once:
-            return None
         earlier = self._compress_block(index, chunks, self.stages[:-1]) if len(self.stages) > 1 else []  # pass by pass, by chunk
         needs_of = functools.partial(self._group_needs, stage)
         solve_group = functools.partial(self._solve_group, stage, block, block_name, routing={}, inputs=inputs)

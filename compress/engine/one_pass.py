@@ -39,8 +39,8 @@ def one_pass_bytes(layers: dict[str, nn.Module], windows: int, seq_len: int, ele
     """About the memory a block's forward pass takes on ``windows`` windows in one batch: per token the
     residual, normed input, attention output and query (4 model widths), 3 of the widest layer's (an MLP's
     gate, up and product), and eager attention's scores and probabilities (2 x heads x seq_len)."""
-    shapes = [tuple(get_weight(module).shape) for module in layers.values()]
-    hidden, widest = min(inputs for _, inputs in shapes), max(max(shape) for shape in shapes)  # [out, in]
+    hidden = min(get_weight(module).shape[1] for module in layers.values())  # [out, in]
+    widest = _widest(layers)
     return windows * seq_len * element * (4 * hidden + 3 * widest + 2 * heads * seq_len)
 
 
@@ -93,11 +93,15 @@ def solve_while_propagating(block: nn.Module, chunks: list, order: CallOrder,
     return reports, run_solving(block, chunks, order.groups, solve)
 
 
+def _widest(layers: dict[str, nn.Module]) -> int:
+    """The largest input or output width among ``layers``: a token's widest activation in their block."""
+    return max(max(get_weight(module).shape) for module in layers.values())
+
+
 def window_chunks(layers: dict[str, nn.Module], windows: int, seq_len: int, element: int) -> list[slice]:
     """The windows cut into chunks (as even as may be, in order) whose widest layer's output stays within
     `CHUNK_BYTES`, at most `MAX_CHUNKS` of them."""
-    widest = max(max(get_weight(module).shape) for module in layers.values())
-    per_chunk = max(1, CHUNK_BYTES // (seq_len * widest * element))
+    per_chunk = max(1, CHUNK_BYTES // (seq_len * _widest(layers) * element))
     count = min(MAX_CHUNKS, -(-windows // per_chunk))
     bounds = [windows * i // count for i in range(count + 1)]
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
