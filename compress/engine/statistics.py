@@ -69,12 +69,12 @@ class InputStatistics:
             got = "none" if reference is None else tuple(reference.shape)
             raise ValueError(f"the uncompressed model's input {got} does not match this input {tuple(x.shape)}")
         pairs = self._windows(x)
+        if self.outer_sum is not None and pairs.shape[1] > 0:
+            add_upper_gram_(self.outer_sum, pairs, self._scratch)
         references = self._windows(reference.detach().float()) if self.drift_sum is not None else [None] * len(pairs)
         for window, ref in zip(pairs, references):
             if window.shape[0] == 0:
                 continue
-            if self.outer_sum is not None:
-                add_upper_gram_(self.outer_sum, window, self._scratch)
             if self.drift_sum is not None:
                 self.drift_sum.add_((ref - window).t() @ window)
             if self.sq_sum is not None:
@@ -148,18 +148,25 @@ class GramScratch:
 
 
 def add_upper_gram_(total: torch.Tensor, x: torch.Tensor, scratch: GramScratch | None = None) -> None:
-    """``total += xᵀx`` (``x [tokens, in]``) on and above the diagonal, a block of columns at a time: the Gram
-    matrix is symmetric, so the blocks below are never multiplied or added, about half the work of the full
-    product (collecting the Hessians is most of a GPTQ statistics pass). Read it with `symmetric_from_upper`.
+    """``total += Σ_w x_wᵀx_w`` over the windows ``x [windows, tokens, in]`` (or one, ``[tokens, in]``) on and above
+    the diagonal, a block of columns at a time: the Gram matrix is symmetric, so the blocks below are never
+    multiplied or added, about half the work of the full product (collecting the Hessians is most of a GPTQ
+    statistics pass). Read it with `symmetric_from_upper`. Each window's product is taken in ``x``'s dtype and added
+    to ``total`` in window order, so every entry gets the same sums in the same order whether the windows come
+    stacked or one call each; the windows run inside the loop over blocks, so each block of ``total`` stays in cache
+    while their products are added to it (window outside: 1536 wide, 5 windows of 512, 51 -> 43 ms).
     ``scratch``: buffers kept between calls (the same sums, bit for bit)."""
     scratch = scratch or GramScratch()
-    step = _gram_step(x.shape[1])
-    for i in range(0, x.shape[1], step):
-        left, right = x[:, i : i + step], x[:, i:]
-        product = torch.matmul(left.t(), right, out=scratch.take((left.shape[1], right.shape[1]), x, x.dtype))
-        if total.dtype != product.dtype:
-            product = scratch.take(product.shape, x, total.dtype).copy_(product)
-        total[i : i + step, i:].add_(product)
+    windows = x if x.dim() == 3 else x.unsqueeze(0)
+    width = windows.shape[-1]
+    step = _gram_step(width)
+    for i in range(0, width, step):
+        block = total[i : i + step, i:]
+        for window in windows:
+            product = torch.matmul(window[:, i : i + step].t(), window[:, i:], out=scratch.take(block.shape, x, x.dtype))
+            if total.dtype != product.dtype:
+                product = scratch.take(product.shape, x, total.dtype).copy_(product)
+            block.add_(product)
 
 
 def symmetric_from_upper(total: torch.Tensor, scale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:

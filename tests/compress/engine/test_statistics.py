@@ -423,3 +423,20 @@ def test_upper_gram_is_the_full_product(width):
     expected = 5 * (x.double().t() @ x.double())
     torch.testing.assert_close(gram, expected, rtol=1e-5, atol=1e-4)
     assert torch.equal(gram, gram.t())
+
+
+@pytest.mark.parametrize("width", [7, 600, 1536])
+def test_upper_gram_of_stacked_windows_sums_each_windows_product_in_order(width):
+    """Windows given stacked ``[windows, tokens, in]`` (the blocks of the total outside, the windows inside) add
+    the very sums that one call per window adds, bit for bit: each window's float32 product, in window order
+    (what keeps the Hessians independent of how windows are batched); and they are the float64 Σ xᵀx."""
+    from compress.engine.statistics import add_upper_gram_, symmetric_from_upper
+
+    windows = torch.randn(5, 64, width, generator=torch.Generator().manual_seed(width)) * torch.rand(width) * 3
+    stacked, one_by_one = (torch.zeros(width, width, dtype=torch.float64) for _ in range(2))
+    add_upper_gram_(stacked, windows)
+    for window in windows:
+        add_upper_gram_(one_by_one, window)
+    assert torch.equal(stacked.triu(), one_by_one.triu())
+    expected = sum(w.double().t() @ w.double() for w in windows)
+    torch.testing.assert_close(symmetric_from_upper(stacked), expected, rtol=1e-5, atol=1e-3)
