@@ -36,7 +36,7 @@ FRUGAL = AllocatorPolicy(mmap_threshold=1 << 20)
 # (an 8 MB threshold: 1.50 GB). `compress measure` encodes every layer in every candidate: SmolLM2's first 8 blocks,
 # q4_0,q8_0,q4_1,q5_0, 16 x 256: 164-179 -> 149-150 s, peak RSS 3.32 -> 3.50 GB.
 STREAMING = AllocatorPolicy(mmap_threshold=4 << 20, trim_threshold=64 << 20)
-# Calibrated compression in one pass (`recipe_policy`: quantize or prune with --calib by GPTQ, SparseGPT, ...): the one pass runs its windows
+# Calibrated compression (`recipe_policy`: quantize or prune with --calib by GPTQ, SparseGPT, AWQ, ...): the one pass runs its windows
 # in chunks whose temporaries stay under 15 MiB (`compress.engine.one_pass.CHUNK_BYTES`), so that from the heap the next
 # chunk reuses their pages; under FRUGAL each was a fresh mapping, page-faulted in (3.3 M faults, 7.2 s of system time
 # in GPTQ on SmolLM2's first 8 blocks, 32 x 512 tokens: 20.7-22.0 -> 16.4-18.2 s, peak RSS 1.02 -> 1.14-1.21 GB). One
@@ -54,14 +54,11 @@ def allocator_policy(command: str | None) -> AllocatorPolicy:
 def recipe_policy(recipe) -> AllocatorPolicy | None:
     """The policy a recipe's run switches to once the command has read it (None: it keeps the command's): export's
     for a recipe with an ``export:`` section (its GGUF encoding is the hot loop, for the whole run, as in ``compress
-    export --method gptq``), `CALIBRATING` for one whose last stage calibrates in the one pass (GPTQ, SparseGPT, ...;
-    not AWQ: its passes run batch by batch, and the heap only added to its memory: SmolLM2's first 8 blocks 226 ->
-    181 s but peak RSS 1.24 -> 1.52 GB)."""
-    from compress.engine.one_pass import one_pass_capable
-
+    export --method gptq``), `CALIBRATING` for one whose methods collect statistics on calibration data (GPTQ, SparseGPT, ...
+    in the one pass; AWQ, whose passes run batch by batch, in batches of the one pass's chunk size: `Engine.pass_batch`)."""
     if recipe.export is not None:
         return STREAMING
-    if recipe.calibration is not None and recipe.distill is None and recipe.stages and one_pass_capable([recipe.stages[-1].build()]):
+    if recipe.calibration is not None and recipe.distill is None and any(stage.build().needs for stage in recipe.stages):
         return CALIBRATING
     return None
 

@@ -98,11 +98,15 @@ def _widest(layers: dict[str, nn.Module]) -> int:
     return max(max(get_weight(module).shape) for module in layers.values())
 
 
+def windows_per_chunk(layers: dict[str, nn.Module], seq_len: int, element: int) -> int:
+    """The most windows whose widest layer's output stays within `CHUNK_BYTES` (at least one)."""
+    return max(1, CHUNK_BYTES // (seq_len * _widest(layers) * element))
+
+
 def window_chunks(layers: dict[str, nn.Module], windows: int, seq_len: int, element: int) -> list[slice]:
-    """The windows cut into chunks (as even as may be, in order) whose widest layer's output stays within
-    `CHUNK_BYTES`, at most `MAX_CHUNKS` of them."""
-    per_chunk = max(1, CHUNK_BYTES // (seq_len * _widest(layers) * element))
-    count = min(MAX_CHUNKS, -(-windows // per_chunk))
+    """The windows cut into chunks (as even as may be, in order) of at most `windows_per_chunk`, at most `MAX_CHUNKS`
+    of them."""
+    count = min(MAX_CHUNKS, -(-windows // windows_per_chunk(layers, seq_len, element)))
     bounds = [windows * i // count for i in range(count + 1)]
     return [slice(a, b) for a, b in zip(bounds, bounds[1:])]
 

@@ -64,10 +64,12 @@ EXPORT = "export: {path: OUT.gguf, type: q6_k}\n"
     ("rtn", CALIBRATION, "FRUGAL"),
     ("gptq", CALIBRATION, "CALIBRATING"),
     ("gptq", CALIBRATION + EXPORT, "STREAMING"),
-    ("awq", CALIBRATION, "FRUGAL"),
-], ids=["rtn", "export", "rtn-with-calibration", "gptq", "gptq-and-export", "awq"])
+    ("awq", CALIBRATION, "CALIBRATING"),
+    ("smoothquant", CALIBRATION, "CALIBRATING"),
+], ids=["rtn", "export", "rtn-with-calibration", "gptq", "gptq-and-export", "awq", "smoothquant"])
 def test_a_recipe_runs_under_the_policy_of_its_hot_loop(monkeypatch, tmp_path, method, extra, policy):
-    """GPTQ's one pass under CALIBRATING; AWQ (batch by batch) and RTN (no statistics) keep FRUGAL."""
+    """Methods that collect statistics run under CALIBRATING (GPTQ's one pass, AWQ's and SmoothQuant's batches);
+    RTN (no statistics, even given calibration data) keeps FRUGAL; an export, STREAMING."""
     from conftest import CALIB_TEXT, REFERENCE_MODEL
 
     class Ran(Exception):

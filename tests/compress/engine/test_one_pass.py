@@ -221,3 +221,26 @@ def test_first_window_cuts_only_the_batch_dimension():
     cut = first_window((h, (), {"position_embeddings": (cos, sin), "cache_position": torch.arange(5), "mask": None}), 3)
     assert cut[0].shape == (1, 5, 16) and cut[2]["position_embeddings"][0].shape == (1, 5, 8)
     assert cut[2]["cache_position"].shape == (5,) and cut[2]["mask"] is None
+
+
+def test_passes_batch_by_batch_take_the_chunk_size_where_asked(tmp_path, monkeypatch):
+    """Where the run asks for heap-sized chunks (``window_chunks``, on the CPU), blocks that are not solved in the one
+    pass run batches of at most the chunk's windows: the tiny model's widest layer is its MLP (128 wide), so at 24
+    tokens of float32 a window's widest output is 24 x 128 x 4 bytes, and a budget of 2.5 of them takes 2 windows a
+    batch. GPTQ's statistics do not depend on the batches: the tensors are those of batches of 4."""
+    from compress.engine import one_pass
+
+    model_dir = save_random_model(tiny_llama_config(VOCAB), tmp_path / "in")
+    calibration = torch.randint(0, VOCAB, (5, 24), generator=torch.Generator().manual_seed(1))
+    monkeypatch.setattr(one_pass, "CHUNK_BYTES", 24 * 128 * 4 * 5 // 2)
+    batches = []
+    split = torch.Tensor.split
+    monkeypatch.setattr(torch.Tensor, "split", lambda t, size, *a, **k: (batches.append(size), split(t, size, *a, **k))[1])
+    no_one_pass = {"batch_size": 4, "activation_memory": 1}  # 5 windows: more than a batch, and no room for one pass
+    run_engine(model_dir, tmp_path / "chunks", _gptq(), calibration, window_chunks=True, **no_one_pass)
+    chunked, batches[:] = list(batches), []
+    run_engine(model_dir, tmp_path / "whole", _gptq(), calibration, **no_one_pass)
+    assert chunked[:1] == [2] and batches[:1] == [4]  # the capture's batches
+    whole, chunks = load_file(tmp_path / "whole" / "model.safetensors"), load_file(tmp_path / "chunks" / "model.safetensors")
+    for name in whole:
+        torch.testing.assert_close(chunks[name], whole[name], rtol=1e-5, atol=1e-6, msg=name)
