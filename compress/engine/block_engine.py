@@ -105,9 +105,10 @@ class Engine:
         ``outer_weights``: parameters outside the blocks as the compressed model will hold them (a GGUF file's
         rounded embeddings), by name: the compressed model's block-0 inputs are captured with them, the
         uncompressed model's (asymmetric calibration) with the checkpoint's. ``window_chunks``: run the one pass's
-        windows in chunks taking turns on threads (`compress.engine.one_pass.window_chunks`); it pays only where the
-        process's allocator serves a chunk's temporaries from one heap (`compress.cli.allocator.CALIBRATING`), and
-        with glibc's own settings each chunk's thread would get a heap of its own."""
+        windows in chunks taking turns on threads (`compress.engine.one_pass.window_chunks`), and the passes that run
+        batch by batch in batches of that size (`pass_batch`); it pays only where the process's allocator serves a
+        chunk's temporaries from one heap (`compress.cli.allocator.CALIBRATING`), and with glibc's own settings each
+        chunk's thread would get a heap of its own."""
         self.outer_weights = outer_weights or {}
         self.window_chunks = window_chunks
         self.handle = handle
@@ -159,7 +160,8 @@ class Engine:
         """Windows per batch of the passes that run batch by batch: ``batch_size``; with ``window_chunks`` on the CPU,
         at most `windows_per_chunk`, for the same heap as the one pass's chunks. AWQ's candidate forwards were
         system time: SmolLM2's first 2 blocks, 32 x 512 tokens, in batches of 8 under FRUGAL 58.4 s (12.2 M page faults,
-        25.3 s of system time, peak RSS 1.17 GB); of 4 under CALIBRATING 42.5 s (0.58 M, 1.6 s, 1.38 GB)."""
+        25.3 s of system time, peak RSS 1.17 GB); of 5 (this rule) under CALIBRATING 42.2 s (0.47 M, 1.4 s, 1.32 GB); of 8
+        under CALIBRATING 48.9 s (5.2 M, 11.5 s, 1.43 GB): its MLP temporaries, 8 x 512 x 1536 floats, were still mapped."""
         if not self.window_chunks or self.device.type != "cpu" or not self.stages:
             return self.batch_size
         layers = {name: module for stage in self.stages for name, module in stage.layers.items()}
