@@ -162,13 +162,18 @@ class Engine:
         system time: SmolLM2's first 2 blocks, 32 x 512 tokens, in batches of 8 under FRUGAL 58.4 s (12.2 M page faults,
         25.3 s of system time, peak RSS 1.17 GB); of 5 (this rule) under CALIBRATING 42.2 s (0.47 M, 1.4 s, 1.32 GB); of 8
         under CALIBRATING 48.9 s (5.2 M, 11.5 s, 1.43 GB): its MLP temporaries, 8 x 512 x 1536 floats, were still mapped."""
-        if not self.window_chunks or self.device.type != "cpu" or not self.stages:
+        if not self._heap_chunks():
             return self.batch_size
         layers = {name: module for stage in self.stages for name, module in stage.layers.items()}
         if not layers:
             return self.batch_size
         element = torch.empty((), dtype=self.dtype).element_size()
         return min(self.batch_size, windows_per_chunk(layers, windows.shape[1], element))
+
+    def _heap_chunks(self) -> bool:
+        """Whether windows run in heap-sized chunks: asked for (``window_chunks``) and on the CPU (they are for glibc's
+        heap; a GPU's caching allocator reuses the whole batch's memory already)."""
+        return self.window_chunks and self.device.type == "cpu"
 
     @property
     def packed(self) -> dict[str, PackedLayer]:
@@ -335,9 +340,9 @@ class Engine:
             order = self._call_order(block, block_name, layers, inputs)
         if not order.once:
             return None
-        # chunks of windows where the arguments cut (and no argument of the sequence's length looks like the windows'),
-        # on the CPU: they are for glibc's heap (a GPU's caching allocator reuses the whole batch's memory already)
-        cut = self.window_chunks and type(block) not in self._uncut and windows != seq_len and inputs[0][0].device.type == "cpu"
+        # chunks of windows where asked for and the arguments cut (and no argument of the sequence's length looks like
+        # the windows')
+        cut = self._heap_chunks() and type(block) not in self._uncut and windows != seq_len
         parts = window_chunks(layers, windows, seq_len, inputs[0][0].element_size()) if cut else [slice(0, windows)]
         chunks = [windows_of(inputs[0], windows, part) for part in parts] if len(parts) > 1 else [inputs[0]]
         earlier = self._compress_block(index, chunks, self.stages[:-1]) if len(self.stages) > 1 else []  # pass by pass, by chunk
