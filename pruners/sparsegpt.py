@@ -39,7 +39,8 @@ import torch
 from compress.pruners.masks import NM, Pattern, prune_lowest_nm, prune_lowest_per_row
 from compress.pruners.result import PruneResult
 from compress.quantizers.grid import QuantScheme, compute_qparams
-from compress.quantizers.gptq import check_solver_settings, columns_as_now, factored_figures, feed_error_, proxy_loss_rows, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, columns_as_now, factored_figures, proxy_loss_rows, solver_inputs
+from compress.quantizers.gptq_columns import feed_error_
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.result import QuantResult
 from compress.quantizers.threads import one_thread

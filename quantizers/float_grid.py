@@ -170,6 +170,10 @@ class FloatScheme:
         codes.copy_(bits.view(-1))
         deq.copy_(self.dequantize(bits, scale.view(-1, 1), zero.view(-1, 1)).view(-1))
 
+    def code_bounds(self) -> None:
+        """None: a float grid's column step has no compiled loop (`compress.quantizers.gptq_columns`)."""
+        return None
+
     def stored_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """The int32 bit patterns of what `round_column` wrote."""
         return codes.to(torch.int32)

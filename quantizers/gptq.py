@@ -40,7 +40,8 @@ scale is fitted from all the block's rows when its first column is reached.
 
 Shapes: ``weight [out, in]``, ``hessian [in, in]`` (symmetric positive semi-definite); the result's
 ``weight``/``codes`` are ``[out, in]``, ``scale``/``zero`` ``[out, n_groups]`` and, with act-order,
-``g_idx [in]``. Everything runs in float32 on the inputs' device; the inputs are not modified.
+``g_idx [in]``. Everything runs in float32 on the inputs' device; the inputs are not modified. On the CPU the
+column loop of an integer grid runs compiled where a C compiler is present (`gptq_columns`, the same bits).
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ import torch
 
 from compress.quantizers.finite import all_finite
 from compress.quantizers.grid import mse_qparams
+from compress.quantizers.gptq_columns import column_steps
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.result import Grid, QuantResult
 from compress.quantizers.threads import one_thread
@@ -150,30 +152,26 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         scale_t, zero_t = scale.t().contiguous(), zero.t().contiguous()  # [n_groups, out]: a group's row contiguous
     else:
         scale_t, zero_t = Wt.new_empty(n_groups, out_features), Wt.new_empty(n_groups, out_features)
-    # Row views made once: the loop below runs ~10 tensor operations per column and the Python around each one
-    # (indexing, views) cost as much as the arithmetic on layers of a few thousand rows.
-    scale_rows, zero_rows = scale_t.unbind(0), zero_t.unbind(0)
     column = scheme.per_column()  # one column with its own grid
     err_rows = torch.zeros(out_features, dtype=torch.float64, device=Wt.device)  # Σ err² per row: the damped error
-    for i1 in range(0, in_features, config.block_size):
-        i2 = min(i1 + config.block_size, in_features)
-        W1 = Wt[i1:i2].clone()  # [B, out]: the block's columns
-        Err1, scratch = torch.empty_like(W1), torch.empty_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        pivots = U1.diagonal().tolist()
-        rows = zip(W1.unbind(0), Err1.unbind(0), rounded[i1:i2].unbind(0), Qt[i1:i2].unbind(0), U1.unbind(0))
-        with one_thread(Wt.device):  # small per-column operations: see quantizers/threads.py
-            for i, (w, err, codes, deq, u) in enumerate(rows):
-                j, g = i1 + i, group_of[i1 + i]
-                if not config.act_order and j % width == 0:
-                    s, z = qparams(columns_as_now(Wt, W1, U, Err1, i1, i, width).t())
-                    scale_rows[g].copy_(s[:, 0])
-                    zero_rows[g].copy_(z[:, 0])
-                column.round_column(w, scale_rows[g], zero_rows[g], codes, deq)
-                torch.sub(w, deq, out=err).div_(pivots[i])
-                feed_error_(W1[i + 1 :], u[i + 1 :], err, scratch)
-        Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)  # lazy batch update of all later columns (no temporary)
-        err_rows += Err1.square().sum(0)  # float32 over the block's columns, float64 across blocks
+    with column_steps(column, scale_t, zero_t, Wt.device) as steps:  # compiled where it can be (gptq_columns.py)
+        for i1 in range(0, in_features, config.block_size):
+            i2 = min(i1 + config.block_size, in_features)
+            W1 = Wt[i1:i2].clone()  # [B, out]: the block's columns
+            Err1 = torch.empty_like(W1)
+            groups = group_of[i1:i2]
+            # the loop stops where a group starts (without act-order): its grid from its columns as they are then
+            starts = [] if config.act_order else [i for i in range(i2 - i1) if (i1 + i) % width == 0]
+            edges = sorted({0, *starts, i2 - i1})
+            with one_thread(Wt.device):  # small per-column operations: see quantizers/threads.py
+                for first, last in zip(edges, edges[1:]):
+                    if first in starts:
+                        s, z = qparams(columns_as_now(Wt, W1, U, Err1, i1, first, width).t())
+                        scale_t[groups[first]].copy_(s[:, 0])
+                        zero_t[groups[first]].copy_(z[:, 0])
+                    steps(W1, Err1, U[i1:i2, i1:i2], rounded[i1:i2], Qt[i1:i2], groups, first, last)
+            Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)  # lazy batch update of all later columns (no temporary)
+            err_rows += Err1.square().sum(0)  # float32 over the block's columns, float64 across blocks
     codes_t = column.stored_codes(rounded)
     scale, zero = scale_t.t().contiguous(), zero_t.t().contiguous()
 
@@ -204,16 +202,6 @@ def columns_as_now(Wt: torch.Tensor, W1: torch.Tensor, U: torch.Tensor, Err1: to
         pending = Wt[i2 : j + width] - U[i1:j, i2 : j + width].t() @ Err1[:i]
         cols = torch.cat([cols, pending])
     return cols
-
-
-def feed_error_(later: torch.Tensor, u: torch.Tensor, err: torch.Tensor, scratch: torch.Tensor) -> None:
-    """``later −= u ⊗ err`` (``later [k, rows]``, ``u [k]``, ``err [rows]``; ``scratch`` at least ``[k, rows]``): the
-    column loop's error feedback, each product rounded once, then subtracted. So every weight's update is the same
-    whatever the number of rows: a layer solved in row slices (on several processes) is bit for bit the layer
-    solved whole. (With BLAS's rank-1 update, ``addr_``, a layer solved in row slices came out different in the last
-    bits: tests/compress/engine/methods/test_row_slices.py.)"""
-    products = torch.mul(u.unsqueeze(1), err, out=scratch[: u.shape[0]])
-    later.sub_(products)
 
 
 def factored_figures(weight: torch.Tensor, Q: torch.Tensor, dead: torch.Tensor, lam: float, err_rows: torch.Tensor,

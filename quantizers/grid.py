@@ -95,6 +95,14 @@ class QuantScheme:
             codes.add_(zero).clamp_(0, self.max_code)
             torch.sub(codes, zero, out=deq).mul_(scale)
 
+    def code_bounds(self) -> tuple[int, int, bool] | None:
+        """`round_column` as the compiled column loop runs it (`compress.quantizers.gptq_columns`): the codes'
+        bounds and whether the zero point is added before clamping (and subtracted to dequantize)."""
+        if self.symmetric:
+            half = 1 << (self.bits - 1)
+            return -half, self.max_code - half, False
+        return 0, self.max_code, True
+
     def stored_codes(self, codes: torch.Tensor) -> torch.Tensor:
         """The int32 codes of what `round_column` wrote."""
         return (codes + (1 << (self.bits - 1)) if self.symmetric else codes).to(torch.int32)

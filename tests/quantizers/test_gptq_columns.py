@@ -1,0 +1,111 @@
+"""compress.quantizers.gptq_columns and .native: the compiled column loop equals the torch loop bit for bit (every
+grid setting, groups that start inside a lazy batch, the rows split between 1 to 3 threads), and where nothing
+builds the solvers fall back to the torch loop. The torch loop itself is checked against the textbook OBQ
+reference in test_gptq.py, which runs on the compiled loop wherever a C compiler is present."""
+
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+import torch
+
+from compress.quantizers import gptq_columns, native
+from compress.quantizers.float_grid import FloatGrid, FloatScheme
+from compress.quantizers.gptq import GPTQConfig, gptq
+from compress.quantizers.grid import QuantScheme
+
+from references import correlated_layer
+
+needs_compiler = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                    reason="no C compiler on this machine")
+
+CASES = [  # bits, symmetric, group size, act-order, lazy batch
+    (4, False, 32, True, 128), (4, True, 32, False, 128), (3, False, 48, False, 32), (2, True, -1, True, 17),
+    (8, False, -1, False, 64), (4, False, 16, False, 40),
+]
+
+
+def solve(w, h, case, compiled: bool, monkeypatch) -> object:
+    bits, symmetric, group, act_order, block = case
+    monkeypatch.setenv("COMPRESS_NATIVE", "1" if compiled else "0")
+    return gptq(w, h, GPTQConfig(QuantScheme(bits, symmetric, group), block_size=block, act_order=act_order))
+
+
+@needs_compiler
+@pytest.mark.parametrize("case", CASES, ids=str)
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_compiled_loop_equals_the_torch_loop_bit_for_bit(case, threads, monkeypatch):
+    assert native.columns_library() is not None, "cc is here but the compiled column loop did not build"
+    monkeypatch.setattr(gptq_columns, "MIN_ROWS", 8)  # split even this small layer between the threads
+    w, h, _ = correlated_layer(97, 192, 400, seed=case[0] + 10 * threads)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        compiled = solve(w, h, case, True, monkeypatch)
+    finally:
+        torch.set_num_threads(before)
+    reference = solve(w, h, case, False, monkeypatch)
+    for name in ("weight", "codes", "scale", "zero"):
+        assert torch.equal(getattr(compiled, name), getattr(reference, name)), name
+    # the error figure sums its rows with torch's threads, so only its rounding moves with their count
+    assert compiled.stats["error"] == pytest.approx(reference.stats["error"], rel=1e-6)
+
+
+@needs_compiler
+def test_each_thread_runs_its_own_rows(monkeypatch):
+    """The rows are cut between the threads in contiguous runs covering them all once."""
+    monkeypatch.setattr(gptq_columns, "MIN_ROWS", 8)
+    scale = torch.ones(1, 50)
+    with gptq_columns.column_steps(QuantScheme(4, True, -1), scale, scale, torch.device("cpu")) as steps:
+        splits = steps.splits
+    assert splits[0][0] == 0 and splits[-1][1] == 50
+    assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(splits, splits[1:]))
+    assert len(splits) == min(torch.get_num_threads(), 50 // 8)
+
+
+def test_float_grids_and_the_switch_keep_the_torch_loop(monkeypatch):
+    scale = torch.ones(1, 8)
+    fp8 = FloatScheme(FloatGrid.FP8, group_size=-1).per_column()
+    with gptq_columns.column_steps(fp8, scale, scale, torch.device("cpu")) as steps:
+        assert isinstance(steps, gptq_columns.TorchColumns)
+    monkeypatch.setenv("COMPRESS_NATIVE", "0")
+    with gptq_columns.column_steps(QuantScheme(4, True, -1), scale, scale, torch.device("cpu")) as steps:
+        assert isinstance(steps, gptq_columns.TorchColumns)
+
+
+def test_a_failed_build_falls_back_to_the_torch_loop_with_the_same_result(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built yet
+    monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")  # a compiler that always fails
+    monkeypatch.setenv("COMPRESS_NATIVE", "1")
+    native._load.cache_clear()
+    try:
+        with caplog.at_level(logging.INFO, logger="compress.quantizers.native"):
+            assert native.columns_library() is None
+        assert "could not be built" in caplog.text
+        assert not list(tmp_path.rglob("*.so")), "a failed build left a file behind"
+        w, h, _ = correlated_layer(40, 64, 200, seed=3)
+        case = (4, False, 32, False, 32)
+        fallen = solve(w, h, case, True, monkeypatch)
+        assert torch.equal(fallen.weight, solve(w, h, case, False, monkeypatch).weight)
+    finally:
+        native._load.cache_clear()
+
+
+@needs_compiler
+def test_the_build_is_cached_and_reused(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setenv("COMPRESS_NATIVE", "1")
+    native._load.cache_clear()
+    try:
+        assert native.columns_library() is not None
+        built = list((tmp_path / "llm-compress" / "native").glob("columns-*.so"))
+        assert len(built) == 1 and not list(tmp_path.rglob("*.tmp*"))
+        stamp = built[0].stat().st_mtime_ns
+        native._load.cache_clear()
+        monkeypatch.setenv("CC", shutil.which("false") or "/bin/false")  # would fail if it compiled again
+        assert native.columns_library() is not None
+        assert built[0].stat().st_mtime_ns == stamp
+    finally:
+        native._load.cache_clear()
