@@ -40,6 +40,7 @@ from compress.formats.gguf.codecs import decode_tensor, round_trip
 from compress.formats.gguf.lattice import parity_signs
 from compress.formats.gguf.sizes import GGMLType
 from compress.quantizers.gptq import check_solver_settings, factored_figures, proxy_loss_rows, solver_inputs
+from compress.quantizers.gptq_columns import AffineColumns, affine_steps, feed_error_
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.threads import one_thread
 
@@ -67,12 +68,14 @@ class GGUFQuantResult:
     stats: dict = field(default_factory=dict)
 
 
-def _round_block(W1t: torch.Tensor, Err1t: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.BlockGrid) -> np.ndarray:
+def _round_block(W1t: torch.Tensor, Err1t: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.BlockGrid,
+                 compiled: AffineColumns | None = None) -> np.ndarray:
     """Round the block of columns ``b:b+B`` of the lazy batch on ``grid`` column by column, feeding each
     error into the batch's later columns. The batch is held transposed, ``W1t``/``Err1t`` ``[batch, rows]``
     (updated in place), so that each column and each error-feedback update is contiguous. Returns the
     codes ``[rows, B]``. (Refitting the grid to the values the columns had when rounded, and rounding
-    again, was tried: no consistent gain, Q2_K and Q4_K got worse.) Run inside `one_thread`: small steps."""
+    again, was tried: no consistent gain, Q2_K and Q4_K got worse.) Run inside `one_thread`: small steps. ``compiled``:
+    the same loop compiled for an affine grid (`compress.quantizers.gptq_columns.AffineColumns`, the same bits)."""
     step, offset = torch.from_numpy(np.ascontiguousarray(grid.step.T)), torch.from_numpy(np.ascontiguousarray(grid.offset.T))
     dead = step == 0  # every code decodes alike there (to −offset): the lowest is written
     safe_step = torch.where(dead, 1.0, step)
@@ -80,6 +83,10 @@ def _round_block(W1t: torch.Tensor, Err1t: torch.Tensor, U1: torch.Tensor, b: in
     levels = None if grid.levels is None else torch.from_numpy(grid.levels)
     codes = torch.empty(step.shape, dtype=torch.float32 if bounds is None else torch.int64)  # [B, rows]
     deq = torch.empty_like(step[0])
+    if bounds is None and compiled is not None:
+        compiled(W1t, Err1t, U1, b, step, offset, safe_step, codes, grid.lo, grid.hi)
+        return codes.masked_fill_(dead, grid.lo).to(torch.int32).T.numpy()
+    scratch = torch.empty_like(W1t)
     pivots = U1.diagonal()[b : b + step.shape[0]].tolist()
     columns = zip(W1t[b:].unbind(0), Err1t[b:].unbind(0), U1[b:].unbind(0), step, offset, safe_step, codes)
     for c, (w, err, u, s, o, safe, code) in enumerate(columns):  # row views made once: see gptq.py's loop
@@ -92,7 +99,7 @@ def _round_block(W1t: torch.Tensor, Err1t: torch.Tensor, U1: torch.Tensor, b: in
             level = levels[index]
         torch.mul(s, level, out=deq).sub_(o)
         torch.sub(w, deq, out=err).div_(pivots[c])
-        W1t[i + 1 :].addr_(u[i + 1 :], err, alpha=-1)  # one pass; a layer is encoded whole (not in row slices)
+        feed_error_(W1t[i + 1 :], u[i + 1 :], err, scratch)  # as the compiled loop: each product rounded, then subtracted
     if bounds is None:
         codes.masked_fill_(dead, grid.lo)
     else:
@@ -186,18 +193,19 @@ def _solve_columns(W: torch.Tensor, U: torch.Tensor, kind: GGMLType, batch: int,
     B = grids.block_size(kind)
     blocks: list[np.ndarray] = []  # packed bytes [rows, type_size] of each block column, in order
     err_rows = torch.zeros(rows, dtype=torch.float64)
-    for i1 in range(0, cols, batch):
-        i2 = min(i1 + batch, cols)
-        W1t, U1 = W[:, i1:i2].T.contiguous(), U[i1:i2, i1:i2]  # [batch, rows]: a column per row
-        Err1t = torch.zeros_like(W1t)
-        for b in range(0, i2 - i1, B):
-            qw = None if importance is None else np.broadcast_to(importance[i1 + b : i1 + b + B], (rows, B))
-            grid = grids.fit(kind, W1t[b : b + B].T.numpy(), qw, row_sigma2)
-            if isinstance(grid, grids.LatticeGrid):
-                blocks.append(grids.pack_lattice(grid, *_round_lattice_block(W1t, Err1t, U1, b, grid)))
-            else:
-                with one_thread(W1t.device):
-                    blocks.append(grids.pack(grid, _round_block(W1t, Err1t, U1, b, grid)))
-        W[:, i2:] -= Err1t.T @ U[i1:i2, i2:]  # lazy batch update of all later columns
-        err_rows += Err1t.square().sum(0)  # float32 over the batch's columns, float64 across batches
+    with affine_steps(rows, W.device) as compiled:  # the affine grids' loop compiled where it can be
+        for i1 in range(0, cols, batch):
+            i2 = min(i1 + batch, cols)
+            W1t, U1 = W[:, i1:i2].T.contiguous(), U[i1:i2, i1:i2]  # [batch, rows]: a column per row
+            Err1t = torch.zeros_like(W1t)
+            for b in range(0, i2 - i1, B):
+                qw = None if importance is None else np.broadcast_to(importance[i1 + b : i1 + b + B], (rows, B))
+                grid = grids.fit(kind, W1t[b : b + B].T.numpy(), qw, row_sigma2)
+                if isinstance(grid, grids.LatticeGrid):
+                    blocks.append(grids.pack_lattice(grid, *_round_lattice_block(W1t, Err1t, U1, b, grid)))
+                else:
+                    with one_thread(W1t.device):
+                        blocks.append(grids.pack(grid, _round_block(W1t, Err1t, U1, b, grid, compiled)))
+            W[:, i2:] -= Err1t.T @ U[i1:i2, i2:]  # lazy batch update of all later columns
+            err_rows += Err1t.square().sum(0)  # float32 over the batch's columns, float64 across batches
     return np.concatenate(blocks, axis=1), err_rows

@@ -55,39 +55,64 @@ class TorchColumns:
             feed_error_(W1[i + 1 :], u[i + 1 :], e, self.scratch)
 
 
-class CompiledColumns:
-    """The loop compiled (`gptq_int_columns` of csrc/columns.c), its rows split between ``pool``'s threads and this
-    one. Integer grids on the CPU; every tensor float32 with rows of ``out`` contiguous values."""
+class RowSplit:
+    """The rows ``[0, rows)`` cut into contiguous runs, one per thread: ``split(run)`` calls ``run(r0, r1)`` for each
+    run, the first on this thread and the others on ``pool``'s (the compiled loops release the interpreter's lock)."""
 
-    def __init__(self, library, bounds: tuple[int, int, bool], scale: torch.Tensor, zero: torch.Tensor,
-                 parts: int, pool: ThreadPoolExecutor | None):
-        self.function = library.gptq_int_columns
-        self.lo, self.hi, self.zero_point = bounds
-        self.scale, self.zero = scale, zero
-        rows = scale.shape[1]
+    def __init__(self, rows: int, parts: int, pool: ThreadPoolExecutor | None):
         self.splits = [(p * rows // parts, (p + 1) * rows // parts) for p in range(parts)]
         self.pool = pool
+
+    def __call__(self, run) -> None:
+        helped = [self.pool.submit(run, *split) for split in self.splits[1:]] if self.pool is not None else []
+        run(*self.splits[0])
+        for done in helped:
+            done.result()
+
+
+@contextmanager
+def row_split(rows: int) -> Iterator[RowSplit]:
+    """A `RowSplit` of ``rows`` between torch's threads (one where the runs would be under `MIN_ROWS`)."""
+    parts = max(1, min(torch.get_num_threads(), rows // MIN_ROWS))
+    pool = ThreadPoolExecutor(parts - 1) if parts > 1 else None
+    try:
+        yield RowSplit(rows, parts, pool)
+    finally:
+        if pool is not None:
+            pool.shutdown()
+
+
+def check_rows(rows: int, *tensors: torch.Tensor) -> None:
+    """The compiled loops read each tensor as float32 rows of ``rows`` contiguous values."""
+    for t in tensors:
+        if t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != rows or not t.is_contiguous():
+            raise ValueError(f"the compiled column loop needs float32 rows of {rows} contiguous values")
+
+
+class CompiledColumns:
+    """The loop compiled (`gptq_int_columns` of csrc/columns.c), its rows cut between threads (`RowSplit`). Integer
+    grids on the CPU; every tensor float32 with rows of ``out`` contiguous values."""
+
+    def __init__(self, library, bounds: tuple[int, int, bool], scale: torch.Tensor, zero: torch.Tensor, split: RowSplit):
+        self.function = library.gptq_int_columns
+        self.lo, self.hi, self.zero_point = bounds
+        self.scale, self.zero, self.split = scale, zero, split
+
+    @property
+    def splits(self) -> list[tuple[int, int]]:
+        return self.split.splits
 
     def __call__(self, W1: torch.Tensor, err: torch.Tensor, U1: torch.Tensor, codes: torch.Tensor, deq: torch.Tensor,
                  groups: list[int], first: int, last: int) -> None:
         rows = self.scale.shape[1]
-        for t in (W1, err, codes, deq, self.scale, self.zero):
-            if t.dtype != torch.float32 or t.dim() != 2 or t.shape[1] != rows or not t.is_contiguous():
-                raise ValueError(f"the compiled column loop needs float32 rows of {rows} contiguous values")
+        check_rows(rows, W1, err, codes, deq, self.scale, self.zero)
         if U1.stride(1) != 1:
             raise ValueError("the compiled column loop needs the factor's rows contiguous")
         group_index = torch.tensor(groups, dtype=torch.int64)
         arguments = (W1.data_ptr(), codes.data_ptr(), deq.data_ptr(), err.data_ptr(), U1.data_ptr(), U1.stride(0),
                      self.scale.data_ptr(), self.zero.data_ptr(), group_index.data_ptr(), self.lo, self.hi,
                      int(self.zero_point))
-
-        def run(split: tuple[int, int]) -> None:  # ctypes releases the interpreter's lock for the call
-            self.function(first, last, W1.shape[0], split[0], split[1], rows, *arguments)
-
-        helped = [self.pool.submit(run, split) for split in self.splits[1:]] if self.pool is not None else []
-        run(self.splits[0])
-        for done in helped:
-            done.result()
+        self.split(lambda r0, r1: self.function(first, last, W1.shape[0], r0, r1, rows, *arguments))
 
 
 @contextmanager
@@ -99,10 +124,36 @@ def column_steps(column, scale: torch.Tensor, zero: torch.Tensor, device: torch.
     if library is None:
         yield TorchColumns(column, scale, zero)
         return
-    parts = max(1, min(torch.get_num_threads(), scale.shape[1] // MIN_ROWS))
-    pool = ThreadPoolExecutor(parts - 1) if parts > 1 else None
-    try:
-        yield CompiledColumns(library, bounds, scale, zero, parts, pool)
-    finally:
-        if pool is not None:
-            pool.shutdown()
+    with row_split(scale.shape[1]) as split:
+        yield CompiledColumns(library, bounds, scale, zero, split)
+
+
+class AffineColumns:
+    """GPTQ's loop in a GGUF affine block grid compiled (`gguf_affine_columns` of csrc/columns.c): the columns of one
+    grid block, from column ``b`` of the lazy batch ``W1t [batch, rows]``, as `compress.quantizers.gguf_gptq`'s torch
+    loop runs them; ``step``/``offset``/``safe``/``codes`` ``[block, rows]``."""
+
+    def __init__(self, library, split: RowSplit):
+        self.function, self.split = library.gguf_affine_columns, split
+
+    def __call__(self, W1t: torch.Tensor, err: torch.Tensor, U1: torch.Tensor, b: int, step: torch.Tensor,
+                 offset: torch.Tensor, safe: torch.Tensor, codes: torch.Tensor, lo: float, hi: float) -> None:
+        rows = W1t.shape[1]
+        check_rows(rows, W1t, err, step, offset, safe, codes)
+        if U1.stride(1) != 1:
+            raise ValueError("the compiled column loop needs the factor's rows contiguous")
+        arguments = (W1t.data_ptr(), codes.data_ptr(), err.data_ptr(), U1.data_ptr(), U1.stride(0), step.data_ptr(),
+                     offset.data_ptr(), safe.data_ptr(), lo, hi)
+        self.split(lambda r0, r1: self.function(b, b + step.shape[0], W1t.shape[0], r0, r1, rows, *arguments))
+
+
+@contextmanager
+def affine_steps(rows: int, device: torch.device) -> Iterator[AffineColumns | None]:
+    """The compiled loop for GPTQ in GGUF affine grids of ``rows`` rows, or None (the torch loop): on the CPU where
+    the library builds."""
+    library = columns_library() if device.type == "cpu" else None
+    if library is None:
+        yield None
+        return
+    with row_split(rows) as split:
+        yield AffineColumns(library, split)

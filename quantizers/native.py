@@ -36,6 +36,7 @@ CLONES = "-DCOMPRESS_CLONES"  # dropped where the compiler or platform has no ta
 _I64, _PTR, _F32, _I32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int32
 SIGNATURES = {
     "gptq_int_columns": [_I64] * 6 + [_PTR] * 5 + [_I64] + [_PTR] * 3 + [_F32, _F32, _I32],
+    "gguf_affine_columns": [_I64] * 6 + [_PTR] * 4 + [_I64] + [_PTR] * 3 + [_F32, _F32],
 }
 
 

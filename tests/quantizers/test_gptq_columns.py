@@ -109,3 +109,20 @@ def test_the_build_is_cached_and_reused(tmp_path, monkeypatch):
         assert built[0].stat().st_mtime_ns == stamp
     finally:
         native._load.cache_clear()
+
+
+@needs_compiler
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q5_1", "Q4_K", "Q6_K", "Q2_K"])
+def test_gguf_affine_grids_compiled_write_the_torch_loops_bytes(kind, monkeypatch):
+    from compress.formats.gguf.sizes import GGMLType
+    from compress.quantizers.gguf_gptq import GGUFGPTQConfig, gguf_gptq
+
+    monkeypatch.setattr(gptq_columns, "MIN_ROWS", 8)  # the rows cut between the threads
+    w, h, _ = correlated_layer(40, 256, 600, seed=7)
+    config = GGUFGPTQConfig(GGMLType[kind], compare_rtn=False)
+    monkeypatch.setenv("COMPRESS_NATIVE", "1")
+    compiled = gguf_gptq(w, h, config)
+    monkeypatch.setenv("COMPRESS_NATIVE", "0")
+    reference = gguf_gptq(w, h, config)
+    assert compiled.data.tobytes() == reference.data.tobytes()
+    assert torch.equal(compiled.weight, reference.weight)
