@@ -1,4 +1,5 @@
-"""The compiled column loops (``csrc/columns.c``), built on first use with the machine's C compiler.
+"""Compiled inner loops, built on first use with the machine's C compiler: GPTQ's column loops (``csrc/columns.c``)
+and, through `compiled`, other packages' sources (the GGUF encoders' scale search, ``formats/gguf/csrc``).
 
 GPTQ's column loop runs ~10 small tensor operations per column; through torch each costs about a microsecond of
 dispatch, more than its arithmetic on a layer of a few thousand rows, and the loop holds the interpreter's lock, so
@@ -11,8 +12,8 @@ and renamed (ranks building at once do not see a half-written file); later proce
 keep the torch loop's numerics: no fused multiply-adds (``-ffp-contract=off``), no fast-math; the instruction set is
 chosen when the library is loaded, not when it is built (``target_clones``: AVX2 where the CPU has it, the
 architecture's baseline otherwise), so the file runs on any CPU of its architecture. Without a compiler, or where
-the build fails, `columns_library` returns None and the solvers keep the torch loop: the same bits, only slower.
-``COMPRESS_NATIVE=0`` asks for the torch loop.
+the build fails, `compiled` returns None and the callers keep their torch or numpy loops: the same bits, only slower.
+``COMPRESS_NATIVE=0`` asks for those everywhere.
 """
 
 from __future__ import annotations
@@ -46,9 +47,20 @@ def cache_dir() -> Path:
 
 def columns_library() -> ctypes.CDLL | None:
     """The loaded column loops, or None (the torch loop): asked off with ``COMPRESS_NATIVE=0``, or no build."""
+    return compiled(SOURCE, SIGNATURES)
+
+
+def compiled(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | None:
+    """``source`` built and loaded, its functions' argument types set from ``signatures`` (each returns void); None
+    where ``COMPRESS_NATIVE=0`` or it cannot be built or loaded."""
     if os.environ.get("COMPRESS_NATIVE", "1") == "0":
         return None
-    return _load(SOURCE)
+    library = _load(source)
+    if library is not None:
+        for name, arguments in signatures.items():
+            getattr(library, name).argtypes = arguments
+            getattr(library, name).restype = None
+    return library
 
 
 @functools.cache
@@ -57,21 +69,17 @@ def _load(source: Path) -> ctypes.CDLL | None:
     if path is None:
         return None
     try:
-        library = ctypes.CDLL(str(path))
+        return ctypes.CDLL(str(path))
     except OSError as error:
-        log.info("compiled column loop %s does not load (%s): using the torch loop", path, error)
+        log.info("compiled %s does not load (%s): using the uncompiled loop", path, error)
         return None
-    for name, arguments in SIGNATURES.items():
-        getattr(library, name).argtypes = arguments
-        getattr(library, name).restype = None
-    return library
 
 
 def _built(source: Path) -> Path | None:
     """The shared library of ``source`` in the cache, compiled if missing; None where it cannot be built."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        log.info("no C compiler (cc): GPTQ's column loop runs in torch")
+        log.info("no C compiler (cc): %s's loops run uncompiled", source.name)
         return None
     text = source.read_bytes()
     for flags in ((*FLAGS, CLONES), FLAGS):
@@ -83,7 +91,7 @@ def _built(source: Path) -> Path | None:
         if error is None:
             return path
         log.info("building %s with %s failed: %s", source.name, " ".join(flags), error)
-    log.info("the compiled column loop could not be built: GPTQ's column loop runs in torch")
+    log.info("%s could not be built: its loops run uncompiled", source.name)
     return None
 
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from compress.formats.gguf.native_search import qx_scales
+
 # ggml's GROUP_MAX_EPS: a group whose largest |x| is below this is all zeros.
 GROUP_MAX_EPS = np.float32(1e-15)
 # `make_qx_quants`' trials rounded and summed together: 3 of its 19 keep a 128K-weight chunk's temporaries (~4.5 MB)
@@ -221,6 +223,23 @@ def make_qx_quants(
     `QX_TRIALS_AT_ONCE` trials are formed together, and only the choice among them runs trial by trial.
     """
     x = x.astype(F32, copy=False)
+    found = qx_scales(x, nmax, weights, GROUP_MAX_EPS)  # compiled (formats/gguf/csrc/qx_search.c): the same bits
+    if found is None:
+        scale, chosen, empty = _qx_search(x, nmax, weights)
+    else:
+        scale, chosen = found
+    if not codes:
+        return scale, None
+    if found is not None:
+        empty = np.abs(x).max(axis=1) < GROUP_MAX_EPS
+    rounded = (as_torch(x) * torch.from_numpy(chosen)[:, None]).round_().clamp_(-nmax, nmax - 1).add_(nmax)
+    if empty.any():
+        rounded.masked_fill_(torch.from_numpy(empty)[:, None], 0)
+    return scale, rounded.to(torch.int32).numpy()
+
+
+def _qx_search(x: np.ndarray, nmax: int, weights: np.ndarray | None) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`make_qx_quants`' search in numpy: each group's scale, the inverse scale kept, and which groups are empty."""
     groups, n = x.shape
     xt = torch.from_numpy(np.ascontiguousarray(x.T))
     top = signed_absmax(x, columns=xt.numpy())
@@ -259,13 +278,7 @@ def make_qx_quants(
             np.copyto(scale, trial_scale, where=better)
             np.copyto(best, trial_scale * slx, where=better)
             np.copyto(chosen, iscale, where=better)
-    scale = np.where(empty, F32(0), scale)
-    if not codes:
-        return scale, None
-    rounded = (as_torch(x) * torch.from_numpy(chosen)[:, None]).round_().clamp_(-nmax, nmax - 1).add_(nmax)
-    if empty.any():
-        rounded.masked_fill_(torch.from_numpy(empty)[:, None], 0)
-    return scale, rounded.to(torch.int32).numpy()
+    return np.where(empty, F32(0), scale), chosen, empty
 
 
 def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:

@@ -1,0 +1,34 @@
+"""The GGUF encoders' scale searches compiled (``csrc/qx_search.c``, built by `compress.quantizers.native`): the
+numpy procedures' float32 operations in their order, so the same scales and bytes, several times faster on one
+thread (the numpy versions run each operation over all groups and write every candidate's terms to memory)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import numpy as np
+
+from compress.quantizers.native import compiled
+
+SOURCE = Path(__file__).parent / "csrc" / "qx_search.c"
+_I64, _PTR, _I32, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
+SIGNATURES = {"qx_scales": [_I64, _I64, _PTR, _PTR, _I32, _F32, _PTR, _PTR]}
+MAX_N = 64  # values per group the compiled search takes (its tile's buffers)
+
+
+def qx_scales(x: np.ndarray, nmax: int, weights: np.ndarray | None, eps: np.float32) -> tuple[np.ndarray, np.ndarray] | None:
+    """`compress.formats.gguf._common.make_qx_quants`' search of ``x [N, n]``: each group's scale (0 where its
+    largest magnitude is under ``eps``) and the inverse scale whose rounding it kept, ``[N]`` each; None where the
+    compiled search is not available (no compiler, ``COMPRESS_NATIVE=0``) or the groups are too wide."""
+    if x.ndim != 2 or x.shape[1] > MAX_N or x.shape[0] == 0:
+        return None
+    library = compiled(SOURCE, SIGNATURES)
+    if library is None:
+        return None
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    w = None if weights is None else np.ascontiguousarray(weights, dtype=np.float32).reshape(x.shape)
+    scale, chosen = np.empty(x.shape[0], dtype=np.float32), np.empty(x.shape[0], dtype=np.float32)
+    library.qx_scales(x.shape[0], x.shape[1], x.ctypes.data, None if w is None else w.ctypes.data, nmax, float(eps),
+                      scale.ctypes.data, chosen.ctypes.data)
+    return scale, chosen

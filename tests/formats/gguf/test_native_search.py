@@ -1,0 +1,72 @@
+"""compress.formats.gguf.native_search: the compiled make_qx_quants search keeps the numpy search's scales and
+choices bit for bit (the numpy one is checked against ggml's bytes in this folder's other tests, which run on the
+compiled one wherever a C compiler is present), on groups built to hit its edge cases, and so the encoders that use
+it write the same bytes either way."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from compress.formats.gguf import _common, q3_k, q4_0, q6_k
+from compress.formats.gguf.native_search import MAX_N, qx_scales
+
+pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
+                                reason="no C compiler on this machine")
+
+
+def edge_groups(n: int, seed: int) -> np.ndarray:
+    """Random groups, and ones that are all zero, under ggml's GROUP_MAX_EPS, tied in magnitude (+a and −a, either
+    first), of one value, huge and tiny (float32's range), and a short last tile (37 groups)."""
+    rng = np.random.default_rng(seed)
+    x = (rng.standard_normal((37, n)) * 0.02).astype(np.float32)
+    x[0] = 0
+    x[1] = 1e-16
+    x[2, :2] = [0.5, -0.5]
+    x[3, :2] = [-0.5, 0.5]
+    x[4] = 0
+    x[4, n // 2] = -3.0
+    x[5] *= 1e30
+    x[6] *= 1e-30
+    x[7] = np.round(x[7] * 1e3) / 1e3  # values on a decimal grid: more near-ties between candidate scales
+    return x
+
+
+@pytest.mark.parametrize("n,nmax", [(16, 32), (16, 4), (32, 8), (32, 16)])
+@pytest.mark.parametrize("weighted", [False, True])
+def test_compiled_search_equals_the_numpy_search_bit_for_bit(n, nmax, weighted):
+    x = edge_groups(n, seed=n + nmax)
+    weights = None
+    if weighted:  # importance weights, some negative (ggml's sums take them as they come) and some zero
+        weights = np.random.default_rng(1).standard_normal(x.shape).astype(np.float32)
+        weights[10] = 0
+    scale, chosen = qx_scales(x, nmax, weights, _common.GROUP_MAX_EPS)
+    with np.errstate(over="ignore"):  # the 1e30 group's squares overflow in numpy as in C (to inf, compared alike)
+        ref_scale, ref_chosen, empty = _common._qx_search(x, nmax, weights)
+    np.testing.assert_array_equal(scale.view(np.uint32), ref_scale.view(np.uint32))
+    live = ~empty  # an empty group's kept inverse scale is never read (its codes are written as zeros)
+    np.testing.assert_array_equal(chosen[live].view(np.uint32), ref_chosen[live].view(np.uint32))
+
+
+def test_groups_wider_than_its_buffers_use_the_numpy_search():
+    assert qx_scales(np.ones((3, MAX_N + 1), dtype=np.float32), 8, None, _common.GROUP_MAX_EPS) is None
+
+
+@pytest.mark.parametrize("encode", ["q6_k", "q6_k weighted", "q3_k", "q4_0 weighted"])
+def test_encoders_write_the_same_bytes_compiled_or_not(encode, monkeypatch):
+    rng = np.random.default_rng(3)
+    blocks = (rng.standard_normal((64, 256)) * 0.02).astype(np.float32)
+    blocks[5] = 0
+    qw = rng.random(blocks.shape).astype(np.float32)
+    run = {
+        "q6_k": lambda: q6_k.encode(blocks),
+        "q6_k weighted": lambda: q6_k.encode_weighted(blocks, qw),
+        "q3_k": lambda: q3_k.encode(blocks),
+        "q4_0 weighted": lambda: q4_0.encode_weighted(blocks.reshape(-1, 32), qw.reshape(-1, 32),
+                                                      np.square(blocks.reshape(-1, 32)).mean(axis=1, keepdims=True)),
+    }[encode]
+    compiled = run()
+    monkeypatch.setenv("COMPRESS_NATIVE", "0")
+    np.testing.assert_array_equal(compiled, run())
