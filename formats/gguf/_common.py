@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compress.formats.gguf.native_search import qx_scales
+from compress.formats.gguf.native_search import qkx2_fit, qx_scales
 
 # ggml's GROUP_MAX_EPS: a group whose largest |x| is below this is all zeros.
 GROUP_MAX_EPS = np.float32(1e-15)
@@ -142,8 +142,12 @@ def make_qkx2_quants(
     depend on the order they are tried in. Returns (scale [N], min [N] (≥ 0, subtracted), L [N, n]).
     The weights sit transposed, ``[n, N]``, so each sum is one numpy reduction over rows (`_running_sum`);
     the elementwise work runs in place in torch (faster than numpy at one thread), the per-group
-    bookkeeping in numpy, and the winner's rounding is redone once at the end from its (iscale, min).
+    bookkeeping in numpy, and the winner's rounding is redone once at the end from its (iscale, min). Compiled where
+    it can be (`native_search.qkx2_fit`: the same bits).
     """
+    found = qkx2_fit(x, w, nmax, rmin, rdelta, nstep, use_mad)
+    if found is not None:
+        return found
     n, groups = x.shape[1], x.shape[0]
     lx = np.empty((2, n, groups), dtype=F32)  # [L, x]: w·L times this gives w·L², w·L·x in one op
     lx[1] = x.T

@@ -13,7 +13,10 @@ from compress.quantizers.native import compiled
 
 SOURCE = Path(__file__).parent / "csrc" / "qx_search.c"
 _I64, _PTR, _I32, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
-SIGNATURES = {"qx_scales": [_I64, _I64, _PTR, _PTR, _I32, _F32, _PTR, _PTR]}
+SIGNATURES = {
+    "qx_scales": [_I64, _I64, _PTR, _PTR, _I32, _F32, _PTR, _PTR],
+    "qkx2_fit": [_I64, _I64, _PTR, _PTR, _I32, _F32, _F32, _I32, _I32, _PTR, _PTR, _PTR],
+}
 MAX_N = 64  # values per group the compiled search takes (its tile's buffers)
 
 
@@ -32,3 +35,21 @@ def qx_scales(x: np.ndarray, nmax: int, weights: np.ndarray | None, eps: np.floa
     library.qx_scales(x.shape[0], x.shape[1], x.ctypes.data, None if w is None else w.ctypes.data, nmax, float(eps),
                       scale.ctypes.data, chosen.ctypes.data)
     return scale, chosen
+
+
+def qkx2_fit(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
+             use_mad: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    """`compress.formats.gguf._common.make_qkx2_quants` of ``x`` and weights ``w`` ``[N, n]``: (scale ``[N]``, min
+    ``[N]``, codes ``[N, n]`` int32), or None where the compiled search is not available or the groups are too wide."""
+    if x.ndim != 2 or x.shape[1] > MAX_N or x.shape[0] == 0:
+        return None
+    library = compiled(SOURCE, SIGNATURES)
+    if library is None:
+        return None
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    w = np.ascontiguousarray(w, dtype=np.float32).reshape(x.shape)
+    scale, low = np.empty(x.shape[0], dtype=np.float32), np.empty(x.shape[0], dtype=np.float32)
+    codes = np.empty(x.shape, dtype=np.int32)
+    library.qkx2_fit(x.shape[0], x.shape[1], x.ctypes.data, w.ctypes.data, nmax, rmin, rdelta, nstep, int(use_mad),
+                     scale.ctypes.data, low.ctypes.data, codes.ctypes.data)
+    return scale, low, codes

@@ -81,3 +81,127 @@ CLONES void qx_scales(int64_t groups, int64_t n, const float *x, const float *we
         }
     }
 }
+
+/* Σ_i w·|err| or w·err² of one tile's candidate (levels L, scale and min per group): ((L·scale) + min) − x */
+static inline void qkx2_error(int64_t n, float L[][TILE], float xt[][TILE], float w[][TILE], const float *scale,
+                              const float *offset, int32_t use_mad, float *out)
+{
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t g = 0; g < TILE; g++) {
+            float d = (L[i][g] * scale[g] + offset[g]) - xt[i][g];
+            d = use_mad ? fabsf(d) : d * d;
+            d = d * w[i][g];
+            out[g] = i == 0 ? d : out[g] + d;
+        }
+    }
+}
+
+/* clamp(round((x − offset)·iscale), 0, nmax) of one tile */
+static inline void qkx2_levels(int64_t n, float L[][TILE], float xt[][TILE], const float *iscale, const float *offset,
+                               float nmax)
+{
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t g = 0; g < TILE; g++) {
+            float l = nearbyintf((xt[i][g] - offset[g]) * iscale[g]);
+            l = l < 0.0f ? 0.0f : l;
+            L[i][g] = l > nmax ? nmax : l;
+        }
+    }
+}
+
+/* ggml's make_qkx2_quants: compress.formats.gguf._common.make_qkx2_quants's numpy procedure (its docstring has the
+   search). x and weights [groups, n]; scale and min [groups] (min subtracted, as ggml stores it), codes [groups, n]. */
+CLONES void qkx2_fit(int64_t groups, int64_t n, const float *x, const float *weights, int32_t nmax, float rmin,
+                     float rdelta, int32_t nstep, int32_t use_mad, float *scale_out, float *min_out, int32_t *codes)
+{
+    float xt[MAX_N][TILE], w[MAX_N][TILE], L[MAX_N][TILE];
+    float lo[TILE], top[TILE], sum_w[TILE], sum_x[TILE];
+    float best_iscale[TILE], best_offset[TILE], best[TILE], scale[TILE], offset[TILE];
+    float iscale[TILE], used[TILE], cur[TILE], this_scale[TILE], this_min[TILE];
+    float sum_l[TILE], sum_l2[TILE], sum_xl[TILE];
+    int flat[TILE];
+    const float fmax = (float)nmax;
+    for (int64_t g0 = 0; g0 < groups; g0 += TILE) {
+        const int64_t m = groups - g0 < TILE ? groups - g0 : TILE;
+        for (int64_t g = 0; g < TILE; g++) {
+            const int64_t src = g0 + (g < m ? g : m - 1);
+            for (int64_t i = 0; i < n; i++) {
+                xt[i][g] = x[src * n + i];
+                w[i][g] = weights[src * n + i];
+            }
+        }
+        for (int64_t g = 0; g < TILE; g++) {
+            float mn = xt[0][g], mx = xt[0][g];
+            for (int64_t i = 1; i < n; i++) { /* numpy's minimum and maximum: of equals (+0, -0) the later one */
+                mn = xt[i][g] <= mn ? xt[i][g] : mn;
+                mx = xt[i][g] >= mx ? xt[i][g] : mx;
+            }
+            lo[g] = mn > 0.0f ? 0.0f : mn;
+            flat[g] = mx == lo[g];
+            top[g] = flat[g] ? lo[g] + 1.0f : mx; /* any span serves a flat group: its codes are 0 */
+            float sw = w[0][g], sx = w[0][g] * xt[0][g];
+            for (int64_t i = 1; i < n; i++) {
+                sw = sw + w[i][g];
+                sx = sx + w[i][g] * xt[i][g];
+            }
+            sum_w[g] = sw;
+            sum_x[g] = sx;
+            iscale[g] = fmax / (top[g] - lo[g]);
+            used[g] = lo[g];
+            this_scale[g] = 1.0f / iscale[g];
+            this_min[g] = lo[g];
+        }
+        qkx2_levels(n, L, xt, iscale, used, fmax);
+        qkx2_error(n, L, xt, w, this_scale, used, use_mad, cur);
+        for (int64_t g = 0; g < TILE; g++) {
+            best_iscale[g] = iscale[g];
+            best_offset[g] = used[g];
+            best[g] = cur[g];
+            scale[g] = this_scale[g];
+            offset[g] = this_min[g];
+        }
+        for (int32_t step = 0; step <= nstep; step++) {
+            const float numerator = (rmin + rdelta * (float)step) + fmax;
+            for (int64_t g = 0; g < TILE; g++) {
+                iscale[g] = numerator / (top[g] - offset[g]);
+                used[g] = offset[g];
+            }
+            qkx2_levels(n, L, xt, iscale, used, fmax);
+            for (int64_t i = 0; i < n; i++) {
+                for (int64_t g = 0; g < TILE; g++) {
+                    const float wl = w[i][g] * L[i][g], wl2 = wl * L[i][g], wlx = wl * xt[i][g];
+                    sum_l[g] = i == 0 ? wl : sum_l[g] + wl;
+                    sum_l2[g] = i == 0 ? wl2 : sum_l2[g] + wl2;
+                    sum_xl[g] = i == 0 ? wlx : sum_xl[g] + wlx;
+                }
+            }
+            for (int64_t g = 0; g < TILE; g++) {
+                const float det = sum_w[g] * sum_l2[g] - sum_l[g] * sum_l[g];
+                this_scale[g] = (sum_w[g] * sum_xl[g] - sum_x[g] * sum_l[g]) / det;
+                this_min[g] = (sum_l2[g] * sum_x[g] - sum_l[g] * sum_xl[g]) / det;
+                if (this_min[g] > 0.0f) {
+                    this_scale[g] = sum_xl[g] / sum_l2[g];
+                    this_min[g] = 0.0f;
+                }
+                sum_l[g] = det; /* kept for the choice below */
+            }
+            qkx2_error(n, L, xt, w, this_scale, this_min, use_mad, cur);
+            for (int64_t g = 0; g < TILE; g++) {
+                if (sum_l[g] > 0.0f && cur[g] < best[g]) {
+                    best_iscale[g] = iscale[g];
+                    best_offset[g] = used[g];
+                    best[g] = cur[g];
+                    scale[g] = this_scale[g];
+                    offset[g] = this_min[g];
+                }
+            }
+        }
+        qkx2_levels(n, L, xt, best_iscale, best_offset, fmax);
+        for (int64_t g = 0; g < m; g++) {
+            scale_out[g0 + g] = flat[g] ? 0.0f : scale[g];
+            min_out[g0 + g] = -offset[g];
+            for (int64_t i = 0; i < n; i++)
+                codes[(g0 + g) * n + i] = flat[g] ? 0 : (int32_t)L[i][g];
+        }
+    }
+}
