@@ -54,7 +54,7 @@ def ours(path: Path, kind: GGMLType, out: Path) -> tuple[float, dict[str, bytes]
     start = time.perf_counter()
     encoded = {}
     matrices = f16_matrices(path)
-    with out.open("wb") as sink, export_encoder(searched_weights([(t.shape, kind) for t in matrices], False)) as encoder:
+    with out.open("wb") as sink, export_encoder(searched_weights([(t.shape, kind) for t in matrices], False), [kind]) as encoder:
 
         def read_tensor(tensor) -> list:  # read and handed to the encoder, as the export does (`read_ahead`)
             cols, rows = tensor.shape

@@ -20,13 +20,18 @@ SIGNATURES = {
 MAX_N = 64  # values per group the compiled search takes (its tile's buffers)
 
 
+def search_library():
+    """The compiled searches, or None (no compiler, ``COMPRESS_NATIVE=0``): where None the numpy searches run."""
+    return compiled(SOURCE, SIGNATURES)
+
+
 def qx_scales(x: np.ndarray, nmax: int, weights: np.ndarray | None, eps: np.float32) -> tuple[np.ndarray, np.ndarray] | None:
     """`compress.formats.gguf._common.make_qx_quants`' search of ``x [N, n]``: each group's scale (0 where its
     largest magnitude is under ``eps``) and the inverse scale whose rounding it kept, ``[N]`` each; None where the
     compiled search is not available (no compiler, ``COMPRESS_NATIVE=0``) or the groups are too wide."""
     if x.ndim != 2 or x.shape[1] > MAX_N or x.shape[0] == 0:
         return None
-    library = compiled(SOURCE, SIGNATURES)
+    library = search_library()
     if library is None:
         return None
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -43,7 +48,7 @@ def qkx2_fit(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float
     ``[N]``, codes ``[N, n]`` int32), or None where the compiled search is not available or the groups are too wide."""
     if x.ndim != 2 or x.shape[1] > MAX_N or x.shape[0] == 0:
         return None
-    library = compiled(SOURCE, SIGNATURES)
+    library = search_library()
     if library is None:
         return None
     x = np.ascontiguousarray(x, dtype=np.float32)

@@ -37,6 +37,23 @@ def test_workers_write_the_bytes_of_one_process(small_slices):
         assert len(encoder._processes) == 1  # started once, reused by every tensor; this process is the other lane
 
 
+def test_thread_lanes_write_the_bytes_of_one_lane_on_one_torch_thread_each(small_slices, monkeypatch):
+    import threading
+
+    import torch
+
+    seen = []
+    monkeypatch.setattr(encoding_pool, "encode_job", lambda job, encode=encoding_pool.encode_job: (seen.append((threading.get_ident(), torch.get_num_threads())), encode(job))[1])
+    w = weights(37, 512).astype(np.float16)  # as an export hands them over: each lane makes its rows float32
+    importance = np.random.default_rng(1).gamma(0.5, 2.0, 512).astype(np.float32)
+    with TensorEncoder(2, threads=True) as encoder:
+        for kind in (GGMLType.Q4_K, GGMLType.Q6_K, GGMLType.Q5_0):
+            assert np.array_equal(encoder.encode(w, kind), encode_tensor(w.astype(np.float32), kind)), kind
+            assert np.array_equal(encoder.encode(w, kind, importance), encode_tensor(w.astype(np.float32), kind, importance)), kind
+        assert not encoder._processes and len(encoder._drivers) == 2
+    assert seen and {count for _, count in seen} == {1}
+
+
 def test_this_process_is_a_lane_on_one_thread_until_the_encoder_is_left(small_slices, monkeypatch):
     """With 2 lanes, one worker process and a thread here share the slices; that thread's torch operations run on one
     thread (else they would split over the CPUs the worker uses), and leaving restores the process's thread count."""
@@ -104,25 +121,35 @@ def test_direct_roundings_stay_in_this_process():
         assert not encoder._processes
 
 
-def test_an_export_on_workers_writes_the_same_tensors(tmp_path, monkeypatch, small_slices):
+@pytest.mark.parametrize("compiled", [False, True], ids=["worker processes", "thread lanes"])
+def test_an_export_on_lanes_writes_the_same_tensors(tmp_path, monkeypatch, small_slices, compiled):
+    """Q4_K_M's types (Q4_K, Q6_K) search compiled: its lanes are threads of this process; with the compiled searches
+    off (``COMPRESS_NATIVE=0``) this process and a worker process. Either way, the bytes of one lane."""
     from compress.checkpoints.gguf_file import mapped_tensors
     from compress.export.gguf import ExportConfig, export_gguf
+    from compress.formats.gguf.native_search import search_library
     from compress.formats.gguf.plan import Target
     from conftest import REFERENCE_MODEL
 
     def tensors(path):
         return {t.name: bytes(np.asarray(t.data).view(np.uint8)) for t in mapped_tensors(path)}
 
-    started = []
+    if compiled and search_library() is None:
+        pytest.skip("no C compiler: the compiled searches are not built")
+    monkeypatch.setenv("COMPRESS_NATIVE", "1" if compiled else "0")
+    started, encoders = [], []
     monkeypatch.setattr(encoding_pool, "encoding_cpus", lambda: 2)
     monkeypatch.setattr(encoding_pool._Worker, "__init__", lambda self, start=encoding_pool._Worker.__init__: (started.append(1), start(self))[1])
+    monkeypatch.setattr(encoding_pool, "TensorEncoder", lambda *a, make=encoding_pool.TensorEncoder, **k: encoders.append(make(*a, **k)) or encoders[-1])
     monkeypatch.setattr(encoding_pool, "MIN_POOL_WEIGHTS", 1 << 40)
     export_gguf(ExportConfig(REFERENCE_MODEL, tmp_path / "here.gguf", Target("q4_k_m")))
     assert not started
+    assert encoders[-1].workers == (2 if compiled else 1) and encoders[-1].threads == compiled  # threads start nothing
     monkeypatch.setattr(encoding_pool, "MIN_POOL_WEIGHTS", 0)
-    export_gguf(ExportConfig(REFERENCE_MODEL, tmp_path / "workers.gguf", Target("q4_k_m")))
-    assert len(started) == 1  # and this process
-    assert tensors(tmp_path / "workers.gguf") == tensors(tmp_path / "here.gguf")
+    export_gguf(ExportConfig(REFERENCE_MODEL, tmp_path / "lanes.gguf", Target("q4_k_m")))
+    assert len(started) == (0 if compiled else 1)  # and this process
+    assert encoders[-1].workers == 2 and encoders[-1].threads == compiled
+    assert tensors(tmp_path / "lanes.gguf") == tensors(tmp_path / "here.gguf")
 
 
 def test_leaving_early_drops_the_queued_slices_and_ends_the_workers(small_slices, monkeypatch):
