@@ -5,8 +5,9 @@ column is rounded on its group's grid (`round_column`), its error divided by the
 batch's later columns (`feed_error_`). The compiled loop performs the same float32 operations in the same order,
 one rounding each, so its results equal the torch loop's bit for bit (tests/quantizers/test_gptq_columns.py); it
 splits the rows between torch's threads (each row depends on itself alone), where the torch loop runs on one.
-GPTQ on SmolLM2's four layer shapes (960, 576, 3072 x 576 and 576 x 1536, act-order, w4 g64): 0.26 s in torch, 0.17 s
-compiled on 2 threads, of which the column loops themselves went from most of it to 0.04 s.
+GPTQ on SmolLM2's four layer shapes (960, 576, 3072 x 576 and 576 x 1536, act-order, w4 g64): 0.258 s in torch,
+0.204-0.217 s compiled on 2 threads (the rest is the Hessian's factor, the lazy updates and the error figures); one
+batch of 128 columns of 28672 rows: 39-51 ms in torch, 20 ms compiled.
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compress.formats.gguf.native_search import qkx2_fit, qx_scales
+from compress.formats.gguf.native_search import qkx2_fit, qp_fit, qx_scales
 
 # ggml's GROUP_MAX_EPS: a group whose largest |x| is below this is all zeros.
 GROUP_MAX_EPS = np.float32(1e-15)
@@ -363,8 +363,12 @@ def make_qp_quants(x: np.ndarray, nmax: int, w: np.ndarray) -> tuple[np.ndarray,
     weights: 8 trial inverse scales ``(nmax + 0.1·i)/max`` around the plain one, then up to 5 passes of
     coordinate descent on the weighted least-squares fit. Returns (scale [N], L [N, n] int32).
     A negative x (IQ2_XXS fits magnitudes of which one per 8 may be negated) rounds to a negative level, which
-    ggml keeps in its ``uint8_t`` L array: where ggml reads L back it sees the level mod 256, and so do we.
+    ggml keeps in its ``uint8_t`` L array: where ggml reads L back it sees the level mod 256, and so do we. Compiled
+    where it can be (`native_search.qp_fit`: the same bits, one group at a time).
     """
+    found = qp_fit(x, nmax, w, GROUP_MAX_EPS)
+    if found is not None:
+        return found
     x = x.astype(F32, copy=False)
     w = w.astype(F32, copy=False)
     top = np.maximum(x.max(axis=1), F32(0))

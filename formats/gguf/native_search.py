@@ -16,6 +16,7 @@ _I64, _PTR, _I32, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes
 SIGNATURES = {
     "qx_scales": [_I64, _I64, _PTR, _PTR, _I32, _F32, _PTR, _PTR],
     "qkx2_fit": [_I64, _I64, _PTR, _PTR, _I32, _F32, _F32, _I32, _I32, _PTR, _PTR, _PTR],
+    "qp_fit": [_I64, _I64, _PTR, _PTR, _I32, _F32, _PTR, _PTR],
 }
 MAX_N = 64  # values per group the compiled search takes (its tile's buffers)
 
@@ -58,3 +59,19 @@ def qkx2_fit(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float
     library.qkx2_fit(x.shape[0], x.shape[1], x.ctypes.data, w.ctypes.data, nmax, rmin, rdelta, nstep, int(use_mad),
                      scale.ctypes.data, low.ctypes.data, codes.ctypes.data)
     return scale, low, codes
+
+
+def qp_fit(x: np.ndarray, nmax: int, w: np.ndarray, eps: np.float32) -> tuple[np.ndarray, np.ndarray] | None:
+    """`compress.formats.gguf._common.make_qp_quants` of ``x`` and weights ``w`` ``[N, n]``: (scale ``[N]``, codes
+    ``[N, n]`` int32), or None where the compiled search is not available or the groups are too wide."""
+    if x.ndim != 2 or x.shape[1] > MAX_N or x.shape[0] == 0:
+        return None
+    library = search_library()
+    if library is None:
+        return None
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    w = np.ascontiguousarray(w, dtype=np.float32).reshape(x.shape)
+    scale, codes = np.empty(x.shape[0], dtype=np.float32), np.empty(x.shape, dtype=np.int32)
+    library.qp_fit(x.shape[0], x.shape[1], x.ctypes.data, w.ctypes.data, nmax, float(eps), scale.ctypes.data,
+                   codes.ctypes.data)
+    return scale, codes

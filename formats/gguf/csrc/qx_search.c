@@ -205,3 +205,90 @@ CLONES void qkx2_fit(int64_t groups, int64_t n, const float *x, const float *wei
         }
     }
 }
+
+/* numpy's float mod by 256 (the sign of the divisor; -0 becomes +0): the level as ggml's uint8_t L array holds it */
+static inline float mod256(float v)
+{
+    float r = fmodf(v, 256.0f);
+    if (r == 0.0f)
+        return 0.0f;
+    return r < 0.0f ? r + 256.0f : r;
+}
+
+/* Σ w·(x − L/iscale)² of one group at inverse scale iscale, L = rint(iscale·x) clamped to nmax from above, or taken
+   mod 256 (the plain try, read back from L) */
+static inline float qp_error(int64_t n, const float *x, const float *w, float iscale, float nmax, int clamp)
+{
+    const float inverse = 1.0f / iscale;
+    float total = 0.0f;
+    for (int64_t i = 0; i < n; i++) {
+        float l = nearbyintf(iscale * x[i]);
+        l = clamp ? (l < nmax ? l : nmax) : mod256(l);
+        const float diff = x[i] - inverse * l;
+        const float term = (w[i] * diff) * diff;
+        total = i == 0 ? term : total + term;
+    }
+    return total;
+}
+
+/* ggml's make_qp_quants: compress.formats.gguf._common.make_qp_quants's numpy procedure (8 trial inverse scales, then
+   up to 5 passes of coordinate descent), one group at a time (its groups are a super-block's 8-16 sub-block scales,
+   too few values to spread across vector lanes). x and w [groups, n]; scale [groups], codes [groups, n]. */
+CLONES void qp_fit(int64_t groups, int64_t n, const float *x_all, const float *w_all, int32_t nmax_i, float eps,
+                   float *scale_out, int32_t *codes)
+{
+    const float nmax = (float)nmax_i;
+    float levels[MAX_N];
+    for (int64_t g = 0; g < groups; g++) {
+        const float *x = x_all + g * n, *w = w_all + g * n;
+        float top = x[0];
+        for (int64_t i = 1; i < n; i++)
+            top = x[i] >= top ? x[i] : top;
+        top = top > 0.0f ? top : 0.0f;
+        const int empty = top < eps;
+        if (empty)
+            top = 1.0f;
+        float chosen = nmax / top, best = qp_error(n, x, w, chosen, nmax, 0);
+        for (int step = -4; step <= 4; step++) {
+            if (step == 0)
+                continue;
+            const float iscale = (0.1f * (float)step + nmax) / top, cur = qp_error(n, x, w, iscale, nmax, 1);
+            if (cur < best) {
+                best = cur;
+                chosen = iscale;
+            }
+        }
+        float sumlx = 0.0f, suml2 = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            float l = nearbyintf(chosen * x[i]);
+            l = l < nmax ? l : nmax;
+            const float a = (w[i] * x[i]) * l, b = (w[i] * l) * l;
+            sumlx = i == 0 ? a : sumlx + a;
+            suml2 = i == 0 ? b : suml2 + b;
+            levels[i] = mod256(l);
+        }
+        int active = !empty;
+        for (int pass = 0; pass < 5 && active; pass++) {
+            int changed = 0;
+            for (int64_t i = 0; i < n; i++) {
+                const float xi = x[i], wi = w[i], li = levels[i];
+                const float slx = sumlx - (wi * xi) * li, sl2 = suml2 - (wi * li) * li;
+                if (!(slx > 0.0f && sl2 > 0.0f))
+                    continue;
+                float fresh = nearbyintf((xi * sl2) / slx);
+                fresh = fresh < nmax ? fresh : nmax;
+                const float slx_new = slx + (wi * xi) * fresh, sl2_new = sl2 + (wi * fresh) * fresh;
+                if (fresh != li && (slx_new * slx_new) * suml2 > (sumlx * sumlx) * sl2_new) {
+                    levels[i] = mod256(fresh);
+                    sumlx = slx_new;
+                    suml2 = sl2_new;
+                    changed = 1;
+                }
+            }
+            active = changed;
+        }
+        scale_out[g] = empty ? 0.0f : (suml2 > 0.0f ? sumlx / suml2 : 0.0f);
+        for (int64_t i = 0; i < n; i++)
+            codes[g * n + i] = empty ? 0 : (int32_t)levels[i];
+    }
+}

@@ -1,4 +1,4 @@
-"""compress.formats.gguf.native_search: the compiled make_qx_quants and make_qkx2_quants searches keep the numpy
+"""compress.formats.gguf.native_search: the compiled make_qx_quants, make_qkx2_quants and make_qp_quants searches keep the numpy
 searches' scales, mins, choices and codes bit for bit (the numpy one is checked against ggml's bytes in this folder's other tests, which run on the
 compiled one wherever a C compiler is present), on groups built to hit its edge cases, and so the encoders that use
 it write the same bytes either way."""
@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from compress.formats.gguf import _common, q2_k, q3_k, q4_0, q4_k, q5_k, q6_k
-from compress.formats.gguf.native_search import MAX_N, qkx2_fit, qx_scales
+from compress.formats.gguf.native_search import MAX_N, qkx2_fit, qp_fit, qx_scales
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler on this machine")
@@ -73,14 +73,32 @@ def test_compiled_asymmetric_search_equals_the_numpy_search_bit_for_bit(n, nmax,
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
 
+@pytest.mark.parametrize("n,nmax", [(8, 63), (16, 15), (8, 7), (32, 3)])
+def test_compiled_super_block_fit_equals_the_numpy_fit_bit_for_bit(n, nmax, monkeypatch):
+    """make_qp_quants (a super-block's sub-block scales): its trials and its coordinate descent, on groups with
+    negative values (IQ2_XXS's: their levels taken mod 256), all zero, below GROUP_MAX_EPS, weightless, and ties."""
+    x = np.abs(edge_groups(n, seed=nmax))
+    x[13] = -x[13]
+    x[14, :3] = -0.002
+    w = np.abs(np.random.default_rng(4).standard_normal(x.shape)).astype(np.float32)
+    w[10] = 0
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        got = qp_fit(x, nmax, w, _common.GROUP_MAX_EPS)
+        monkeypatch.setenv("COMPRESS_NATIVE", "0")
+        want = _common.make_qp_quants(x, nmax, w)
+    np.testing.assert_array_equal(got[0].view(np.uint32), want[0].view(np.uint32))
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_groups_wider_than_its_buffers_use_the_numpy_search():
     wide = np.ones((3, MAX_N + 1), dtype=np.float32)
     assert qx_scales(wide, 8, None, _common.GROUP_MAX_EPS) is None
     assert qkx2_fit(wide, wide, 15, -1.0, 0.1, 20, False) is None
+    assert qp_fit(wide, 15, wide, _common.GROUP_MAX_EPS) is None
 
 
 @pytest.mark.parametrize("encode", ["q6_k", "q6_k weighted", "q3_k", "q4_0 weighted", "q4_k", "q4_k weighted", "q5_k",
-                                    "q2_k"])
+                                    "q2_k", "q2_k weighted"])
 def test_encoders_write_the_same_bytes_compiled_or_not(encode, monkeypatch):
     rng = np.random.default_rng(3)
     blocks = (rng.standard_normal((64, 256)) * 0.02).astype(np.float32)
@@ -94,6 +112,7 @@ def test_encoders_write_the_same_bytes_compiled_or_not(encode, monkeypatch):
         "q4_k weighted": lambda: q4_k.encode_weighted(blocks, qw),
         "q5_k": lambda: q5_k.encode(blocks),
         "q2_k": lambda: q2_k.encode(blocks),
+        "q2_k weighted": lambda: q2_k.encode_weighted(blocks, qw),
         "q4_0 weighted": lambda: q4_0.encode_weighted(blocks.reshape(-1, 32), qw.reshape(-1, 32),
                                                       np.square(blocks.reshape(-1, 32)).mean(axis=1, keepdims=True)),
     }[encode]
