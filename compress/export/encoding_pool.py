@@ -14,8 +14,8 @@ and on 2 cores the pool of two workers took that from the encoding twice (bench/
 Thread lanes: where every searched type of an export runs its search compiled (`THREAD_LANE_KINDS`, the library
 built: `compress.formats.gguf.native_search`), the lanes are all threads of this process, each taking its slice's
 rows straight from the tensor. The compiled search releases the interpreter's lock, so the threads share the CPUs
-(a 4M-weight tensor halved between 2 threads: Q4_K 1.64-1.86x, Q6_K 1.80-2.31x, Q5_K, Q2_K and the weighted legacy
-types 1.55-2.23x one thread's rate), with no worker to start (1.3 s of a CPU each) and nothing copied between
+(a 4M-weight tensor halved between 2 threads: Q4_K 1.64-1.86x, Q6_K 1.80-2.31x, Q3_K 1.74-2.02x, Q5_K, Q2_K and the
+weighted legacy types 1.55-2.23x one thread's rate), with no worker to start (1.3 s of a CPU each) and nothing copied between
 processes, which had come to cost more than the faster encoding saved (TinyLlama-shaped, 2 CPUs, two processes:
 Q4_K 98.6 -> 119.6 MB/s, 1.21x).
 
@@ -57,8 +57,8 @@ MIN_SLICE_WEIGHTS = 1 << 18  # a smaller tensor is encoded in this process: hand
 MAX_SLICE_WEIGHTS = 1 << 22  # bounds the memory of the slices in flight (16 MB of float32 each)
 LOOKAHEAD_WEIGHTS = 1 << 26  # an export reads tensors ahead of the one it writes up to this many weights (256 MB float32)
 # types whose search runs compiled, plain and importance-weighted, and scales across threads (measured, module doc)
-THREAD_LANE_KINDS = frozenset({GGMLType.Q2_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K, GGMLType.Q4_0,
-                               GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1})
+THREAD_LANE_KINDS = frozenset({GGMLType.Q2_K, GGMLType.Q3_K, GGMLType.Q4_K, GGMLType.Q5_K, GGMLType.Q6_K,
+                               GGMLType.Q4_0, GGMLType.Q4_1, GGMLType.Q5_0, GGMLType.Q5_1})
 
 
 def searched(kind: GGMLType, weighted: bool) -> bool:

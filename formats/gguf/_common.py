@@ -20,7 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from compress.formats.gguf.native_search import qkx2_fit, qp_fit, qx_scales
+from compress.formats.gguf.native_search import q3_fit, qkx2_fit, qp_fit, qx_scales
 
 # ggml's GROUP_MAX_EPS: a group whose largest |x| is below this is all zeros.
 GROUP_MAX_EPS = np.float32(1e-15)
@@ -292,8 +292,12 @@ def make_q3_quants(x: np.ndarray, nmax: int) -> tuple[np.ndarray, np.ndarray]:
     the x²-weighted least-squares fit, element by element. Returns scale ``[N]`` (signed) and the
     codes ``L + nmax`` ``[N, n]`` (all 0 for an all-zero group). Transposed (``[n, N]``: each element's
     row contiguous); a pass that changes nothing would change nothing again, so each pass runs only
-    on the groups the previous one changed (ggml's early exit).
+    on the groups the previous one changed (ggml's early exit). Compiled where it can be (`native_search.q3_fit`: the
+    same bits, one group at a time).
     """
+    found = q3_fit(x, nmax, GROUP_MAX_EPS)
+    if found is not None:
+        return found
     x = x.astype(F32, copy=False)
     xt = np.ascontiguousarray(x.T)
     top = signed_absmax(x, columns=xt)

@@ -17,6 +17,7 @@ SIGNATURES = {
     "qx_scales": [_I64, _I64, _PTR, _PTR, _I32, _F32, _PTR, _PTR],
     "qkx2_fit": [_I64, _I64, _PTR, _PTR, _I32, _F32, _F32, _I32, _I32, _PTR, _PTR, _PTR],
     "qp_fit": [_I64, _I64, _PTR, _PTR, _I32, _F32, _PTR, _PTR],
+    "q3_fit": [_I64, _I64, _PTR, _I32, _F32, _PTR, _PTR],
 }
 MAX_N = 64  # values per group the compiled search takes (its tile's buffers)
 
@@ -74,4 +75,18 @@ def qp_fit(x: np.ndarray, nmax: int, w: np.ndarray, eps: np.float32) -> tuple[np
     scale, codes = np.empty(x.shape[0], dtype=np.float32), np.empty(x.shape, dtype=np.int32)
     library.qp_fit(x.shape[0], x.shape[1], x.ctypes.data, w.ctypes.data, nmax, float(eps), scale.ctypes.data,
                    codes.ctypes.data)
+    return scale, codes
+
+
+def q3_fit(x: np.ndarray, nmax: int, eps: np.float32) -> tuple[np.ndarray, np.ndarray] | None:
+    """`compress.formats.gguf._common.make_q3_quants` of ``x [N, n]``: (scale ``[N]``, codes ``[N, n]`` int32), or
+    None where the compiled search is not available or the groups are too wide."""
+    if x.ndim != 2 or x.shape[1] > MAX_N or x.shape[0] == 0:
+        return None
+    library = search_library()
+    if library is None:
+        return None
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    scale, codes = np.empty(x.shape[0], dtype=np.float32), np.empty(x.shape, dtype=np.int32)
+    library.q3_fit(x.shape[0], x.shape[1], x.ctypes.data, nmax, float(eps), scale.ctypes.data, codes.ctypes.data)
     return scale, codes

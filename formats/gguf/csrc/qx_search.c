@@ -292,3 +292,66 @@ CLONES void qp_fit(int64_t groups, int64_t n, const float *x_all, const float *w
             codes[g * n + i] = empty ? 0 : (int32_t)levels[i];
     }
 }
+
+/* numpy's float32 -> int32 cast of a rounded value: exact where it fits, else (inf, NaN, beyond int32) INT_MIN, which
+   the clamp that follows takes to its lower bound */
+static inline float as_int32_level(float v, float lo, float hi)
+{
+    if (!(v >= -2147483648.0f && v < 2147483648.0f))
+        return lo;
+    return v < lo ? lo : (v > hi ? hi : v);
+}
+
+/* ggml's make_q3_quants with do_rmse: compress.formats.gguf._common.make_q3_quants's numpy procedure (plain rounding at
+   -nmax/max, then up to 5 passes of x²-weighted coordinate descent), one group at a time. x [groups, n]; scale
+   [groups] (signed), codes [groups, n] (L + nmax). */
+CLONES void q3_fit(int64_t groups, int64_t n, const float *x_all, int32_t nmax_i, float eps, float *scale_out,
+                   int32_t *codes)
+{
+    const float lo = (float)-nmax_i, hi = (float)(nmax_i - 1);
+    float levels[MAX_N], w[MAX_N], wx[MAX_N];
+    for (int64_t g = 0; g < groups; g++) {
+        const float *x = x_all + g * n;
+        float amax = 0.0f, top = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            const float ax = fabsf(x[i]);
+            if (ax > amax) {
+                amax = ax;
+                top = x[i];
+            }
+        }
+        const int empty = fabsf(top) < eps;
+        const float iscale = (float)-nmax_i / (empty ? 1.0f : top);
+        float sumlx = 0.0f, suml2 = 0.0f;
+        for (int64_t i = 0; i < n; i++) {
+            float l = nearbyintf(iscale * x[i]);
+            levels[i] = l < lo ? lo : (l > hi ? hi : l);
+            w[i] = x[i] * x[i];
+            wx[i] = w[i] * x[i];
+            const float a = wx[i] * levels[i], b = (w[i] * levels[i]) * levels[i];
+            sumlx = i == 0 ? a : sumlx + a;
+            suml2 = i == 0 ? b : suml2 + b;
+        }
+        int moving = !empty;
+        for (int pass = 0; pass < 5 && moving; pass++) {
+            int changed = 0;
+            for (int64_t i = 0; i < n; i++) {
+                const float li = levels[i];
+                const float slx = sumlx - wx[i] * li, sl2 = suml2 - (w[i] * li) * li;
+                const float fresh = as_int32_level(nearbyintf((x[i] * sl2) / slx), lo, hi);
+                const float slx_new = slx + wx[i] * fresh, sl2_new = sl2 + (w[i] * fresh) * fresh;
+                if (slx > 0.0f && fresh != li && sl2_new > 0.0f &&
+                    (slx_new * slx_new) * suml2 > (sumlx * sumlx) * sl2_new) {
+                    levels[i] = fresh;
+                    sumlx = slx_new;
+                    suml2 = sl2_new;
+                    changed = 1;
+                }
+            }
+            moving = changed;
+        }
+        scale_out[g] = empty ? 0.0f : (suml2 > 0.0f ? sumlx / suml2 : 0.0f);
+        for (int64_t i = 0; i < n; i++)
+            codes[g * n + i] = empty ? 0 : (int32_t)levels[i] + nmax_i;
+    }
+}

@@ -1,4 +1,5 @@
-"""compress.formats.gguf.native_search: the compiled make_qx_quants, make_qkx2_quants and make_qp_quants searches keep the numpy
+"""compress.formats.gguf.native_search: the compiled make_qx_quants, make_qkx2_quants, make_qp_quants and make_q3_quants
+searches keep the numpy
 searches' scales, mins, choices and codes bit for bit (the numpy one is checked against ggml's bytes in this folder's other tests, which run on the
 compiled one wherever a C compiler is present), on groups built to hit its edge cases, and so the encoders that use
 it write the same bytes either way."""
@@ -11,7 +12,7 @@ import numpy as np
 import pytest
 
 from compress.formats.gguf import _common, q2_k, q3_k, q4_0, q4_k, q5_k, q6_k
-from compress.formats.gguf.native_search import MAX_N, qkx2_fit, qp_fit, qx_scales
+from compress.formats.gguf.native_search import MAX_N, q3_fit, qkx2_fit, qp_fit, qx_scales
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
                                 reason="no C compiler on this machine")
@@ -90,11 +91,25 @@ def test_compiled_super_block_fit_equals_the_numpy_fit_bit_for_bit(n, nmax, monk
     np.testing.assert_array_equal(got[1], want[1])
 
 
+@pytest.mark.parametrize("n,nmax", [(16, 4), (32, 4), (16, 8)])
+def test_compiled_q3_fit_equals_the_numpy_fit_bit_for_bit(n, nmax, monkeypatch):
+    """make_q3_quants (Q3_K's sub-blocks): its plain rounding and coordinate descent on the edge groups (the 1e30
+    group's squares overflow to inf, in numpy as in C)."""
+    x = edge_groups(n, seed=nmax + 20)
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
+        got = q3_fit(x, nmax, _common.GROUP_MAX_EPS)
+        monkeypatch.setenv("COMPRESS_NATIVE", "0")
+        want = _common.make_q3_quants(x, nmax)
+    np.testing.assert_array_equal(got[0].view(np.uint32), want[0].view(np.uint32))
+    np.testing.assert_array_equal(got[1], want[1])
+
+
 def test_groups_wider_than_its_buffers_use_the_numpy_search():
     wide = np.ones((3, MAX_N + 1), dtype=np.float32)
     assert qx_scales(wide, 8, None, _common.GROUP_MAX_EPS) is None
     assert qkx2_fit(wide, wide, 15, -1.0, 0.1, 20, False) is None
     assert qp_fit(wide, 15, wide, _common.GROUP_MAX_EPS) is None
+    assert q3_fit(wide, 4, _common.GROUP_MAX_EPS) is None
 
 
 @pytest.mark.parametrize("encode", ["q6_k", "q6_k weighted", "q3_k", "q4_0 weighted", "q4_k", "q4_k weighted", "q5_k",
