@@ -40,7 +40,7 @@ from compress.pruners.masks import NM, Pattern, prune_lowest_nm, prune_lowest_pe
 from compress.pruners.result import PruneResult
 from compress.quantizers.grid import QuantScheme, compute_qparams
 from compress.quantizers.gptq import check_solver_settings, columns_as_now, factored_figures, proxy_loss_rows, solver_inputs
-from compress.quantizers.gptq_columns import feed_error_
+from compress.quantizers.gptq_columns import column_steps
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.result import QuantResult
 from compress.quantizers.threads import one_thread
@@ -88,8 +88,10 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
     if scheme is not None:
         n_groups, width = scheme.groups(in_features), scheme.group_width(in_features)
         scale_t, zero_t = W.new_empty(n_groups, out_features), W.new_empty(n_groups, out_features)  # a group's row contiguous
-        scale_rows, zero_rows = scale_t.unbind(0), zero_t.unbind(0)
         column = QuantScheme(scheme.bits, scheme.symmetric, -1)
+    else:  # no grid: the loop's scale and zero only say how many rows there are
+        width, column = in_features, None
+        scale_t = zero_t = W.new_zeros(1, out_features)
 
     energy_rows = proxy_loss_rows(W, H)  # tr(W H Wᵀ) by row, before the damping (dead columns of W are zero)
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
@@ -99,42 +101,41 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
     Wt = W.t().contiguous()
     del W
     Qt = torch.empty_like(Wt)
-    rounded = torch.empty_like(Wt) if scheme is not None else None  # joint mode: the grid's column codes
+    rounded = torch.empty_like(Wt) if scheme is not None else Qt  # joint mode: the grid's column codes (else unused)
     pruned_t = torch.empty_like(Wt, dtype=torch.bool)
     err_rows = torch.zeros(out_features, dtype=torch.float64, device=Wt.device)  # Σ err² per row (as GPTQ's)
-    for i1 in range(0, in_features, config.block_size):
-        i2 = min(i1 + config.block_size, in_features)
-        W1 = Wt[i1:i2].clone()  # [B, out]
-        Err1, scratch = torch.empty_like(W1), torch.empty_like(W1)
-        U1 = U[i1:i2, i1:i2]
-        d2 = torch.diagonal(U1).square().unsqueeze(1)  # [B, 1]: [H_F⁻¹]_ii when column i is reached
-        mask1 = pruned_t[i1:i2]
-        if not isinstance(pattern, NM):  # chosen over the [out, B] block in its own order (ties fall as before)
-            saliency = (W1.square() / d2).t()
-            mask1.copy_(prune_lowest_per_row(saliency.reshape(1, -1), pattern.sparsity).reshape(saliency.shape).t())
-        pivots = U1.diagonal().tolist()
-        codes_rows = rounded[i1:i2].unbind(0) if scheme is not None else [None] * (i2 - i1)
-        rows = zip(W1.unbind(0), Err1.unbind(0), Qt[i1:i2].unbind(0), mask1.unbind(0), U1.unbind(0), codes_rows)
-        with one_thread(Wt.device):  # small per-column operations: see quantizers/threads.py
-            for i, (w, err, q, masked, u, codes) in enumerate(rows):
-                j = i1 + i
-                if isinstance(pattern, NM) and j % pattern.m == 0:
-                    cols = slice(i, i + pattern.m)
-                    mask1[cols] = prune_lowest_nm((W1[cols].square() / d2[cols]).t(), pattern.n, pattern.m).t()
-                if scheme is None:
-                    q.copy_(w).masked_fill_(masked, 0.0)
-                else:
-                    g = j // width
-                    if j % width == 0:  # the group's grid from its columns as they are now (as GPTQ)
-                        s, z = compute_qparams(columns_as_now(Wt, W1, U, Err1, i1, i, width).t(), scheme)
-                        scale_rows[g].copy_(s[:, 0])
-                        zero_rows[g].copy_(z[:, 0])
+    nm = pattern.m if isinstance(pattern, NM) else 0
+    # GPTQ's column loop with the mask (`compress.quantizers.gptq_columns`: compiled where it can be, the same bits)
+    with column_steps(column, scale_t, zero_t, Wt.device) as steps:
+        for i1 in range(0, in_features, config.block_size):
+            i2 = min(i1 + config.block_size, in_features)
+            W1 = Wt[i1:i2].clone()  # [B, out]
+            Err1 = torch.empty_like(W1)
+            U1 = U[i1:i2, i1:i2]
+            d2 = torch.diagonal(U1).square().unsqueeze(1)  # [B, 1]: [H_F⁻¹]_ii when column i is reached
+            mask1 = pruned_t[i1:i2]
+            if not nm:  # chosen over the [out, B] block in its own order (ties fall as before)
+                saliency = (W1.square() / d2).t()
+                mask1.copy_(prune_lowest_per_row(saliency.reshape(1, -1), pattern.sparsity).reshape(saliency.shape).t())
+            groups = [(i1 + i) // width for i in range(i2 - i1)]
+            # the loop stops where an N:M group starts (its mask from its columns as they are then) and, in joint
+            # mode, where a grid group starts (its grid likewise, as GPTQ's)
+            starts = {i for i in range(i2 - i1) if (nm and (i1 + i) % nm == 0) or (scheme is not None and (i1 + i) % width == 0)}
+            edges = sorted({0, *starts, i2 - i1})
+            with one_thread(Wt.device):  # small per-column operations: see quantizers/threads.py
+                for first, last in zip(edges, edges[1:]):
+                    j = i1 + first
+                    if nm and j % nm == 0:
+                        cols = slice(first, first + nm)
+                        mask1[cols] = prune_lowest_nm((W1[cols].square() / d2[cols]).t(), pattern.n, pattern.m).t()
+                    if scheme is not None and j % width == 0:
+                        s, z = compute_qparams(columns_as_now(Wt, W1, U, Err1, i1, first, width).t(), scheme)
+                        scale_t[groups[first]].copy_(s[:, 0])
+                        zero_t[groups[first]].copy_(z[:, 0])
                     # a pruned weight is rounded as zero: it maps to the zero point, whose value is exactly 0
-                    column.round_column(torch.where(masked, 0.0, w), scale_rows[g], zero_rows[g], codes, q)
-                torch.sub(w, q, out=err).div_(pivots[i])
-                feed_error_(W1[i + 1 :], u[i + 1 :], err, scratch)
-        Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)  # lazy batch update of all later columns (no temporary)
-        err_rows += Err1.square().sum(0)
+                    steps(W1, Err1, U1, rounded[i1:i2], Qt[i1:i2], groups, first, last, mask1)
+            Wt[i2:].addmm_(U[i1:i2, i2:].t(), Err1, alpha=-1)  # lazy batch update of all later columns (no temporary)
+            err_rows += Err1.square().sum(0)
     Q, pruned = Qt.t().contiguous(), pruned_t.t().contiguous()
     if scheme is not None:
         codes, scale, zero = column.stored_codes(rounded).t().contiguous(), scale_t.t().contiguous(), zero_t.t().contiguous()

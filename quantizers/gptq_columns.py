@@ -34,7 +34,8 @@ def feed_error_(later: torch.Tensor, u: torch.Tensor, err: torch.Tensor, scratch
 
 
 class TorchColumns:
-    """The loop in torch operations, on any device: ~10 operations of one column each, on one thread."""
+    """The loop in torch operations, on any device: ~10 operations of one column each, on one thread. ``column`` None:
+    no grid (SparseGPT pruning alone: a column's value is its weight, 0 where ``mask`` marks it pruned)."""
 
     def __init__(self, column, scale: torch.Tensor, zero: torch.Tensor):
         self.column = column  # the grid of one column (`per_column`): its `round_column`
@@ -42,16 +43,22 @@ class TorchColumns:
         self.scratch: torch.Tensor | None = None
 
     def __call__(self, W1: torch.Tensor, err: torch.Tensor, U1: torch.Tensor, codes: torch.Tensor, deq: torch.Tensor,
-                 groups: list[int], first: int, last: int) -> None:
+                 groups: list[int], first: int, last: int, mask: torch.Tensor | None = None) -> None:
+        """Columns ``[first, last)``; ``mask`` (bool ``[B, out]``): the pruned weights, rounded as 0 (SparseGPT)."""
         if self.scratch is None or self.scratch.shape[0] < W1.shape[0] or self.scratch.shape[1:] != W1.shape[1:]:
             self.scratch = torch.empty_like(W1)
         pivots = U1.diagonal().tolist()
         span = slice(first, last)
+        masks = mask[span].unbind(0) if mask is not None else [None] * (last - first)
         # row views made once: the Python around each operation (indexing, views) costs as much as its arithmetic
         steps = zip(W1[span].unbind(0), err[span].unbind(0), codes[span].unbind(0), deq[span].unbind(0),
-                    U1[span].unbind(0), groups[span])
-        for i, (w, e, c, d, u, g) in enumerate(steps, start=first):
-            self.column.round_column(w, self.scale_rows[g], self.zero_rows[g], c, d)
+                    U1[span].unbind(0), groups[span], masks)
+        for i, (w, e, c, d, u, g, m) in enumerate(steps, start=first):
+            if self.column is None:
+                d.copy_(w).masked_fill_(m, 0.0)
+            else:
+                self.column.round_column(w if m is None else torch.where(m, 0.0, w), self.scale_rows[g],
+                                         self.zero_rows[g], c, d)
             torch.sub(w, d, out=e).div_(pivots[i])
             feed_error_(W1[i + 1 :], u[i + 1 :], e, self.scratch)
 
@@ -92,11 +99,14 @@ def check_rows(rows: int, *tensors: torch.Tensor) -> None:
 
 class CompiledColumns:
     """The loop compiled (`gptq_int_columns` of csrc/columns.c), its rows cut between threads (`RowSplit`). Integer
-    grids on the CPU; every tensor float32 with rows of ``out`` contiguous values."""
+    grids (``bounds``; None: SparseGPT pruning alone) on the CPU; every tensor float32 with rows of ``out``
+    contiguous values, a mask bool."""
 
-    def __init__(self, library, bounds: tuple[int, int, bool], scale: torch.Tensor, zero: torch.Tensor, split: RowSplit):
+    def __init__(self, library, bounds: tuple[int, int, bool] | None, scale: torch.Tensor, zero: torch.Tensor,
+                 split: RowSplit):
         self.function = library.gptq_int_columns
-        self.lo, self.hi, self.zero_point = bounds
+        self.lo, self.hi, self.zero_point = bounds or (0, 0, False)
+        self.quantize = bounds is not None
         self.scale, self.zero, self.split = scale, zero, split
 
     @property
@@ -104,24 +114,28 @@ class CompiledColumns:
         return self.split.splits
 
     def __call__(self, W1: torch.Tensor, err: torch.Tensor, U1: torch.Tensor, codes: torch.Tensor, deq: torch.Tensor,
-                 groups: list[int], first: int, last: int) -> None:
+                 groups: list[int], first: int, last: int, mask: torch.Tensor | None = None) -> None:
         rows = self.scale.shape[1]
         check_rows(rows, W1, err, codes, deq, self.scale, self.zero)
         if U1.stride(1) != 1:
             raise ValueError("the compiled column loop needs the factor's rows contiguous")
+        if mask is not None and (mask.dtype != torch.bool or mask.shape != W1.shape or not mask.is_contiguous()):
+            raise ValueError(f"the compiled column loop needs a contiguous bool mask {tuple(W1.shape)}")
         group_index = torch.tensor(groups, dtype=torch.int64)
         arguments = (W1.data_ptr(), codes.data_ptr(), deq.data_ptr(), err.data_ptr(), U1.data_ptr(), U1.stride(0),
                      self.scale.data_ptr(), self.zero.data_ptr(), group_index.data_ptr(), self.lo, self.hi,
-                     int(self.zero_point))
+                     int(self.zero_point), None if mask is None else mask.data_ptr(), int(self.quantize))
         self.split(lambda r0, r1: self.function(first, last, W1.shape[0], r0, r1, rows, *arguments))
 
 
 @contextmanager
 def column_steps(column, scale: torch.Tensor, zero: torch.Tensor, device: torch.device) -> Iterator:
-    """The loop for ``column``'s grid (``scale``/``zero`` ``[n_groups, out]``, filled as the groups are fitted):
-    compiled where the grid has one (`code_bounds`), the device is the CPU and the library builds, else torch."""
-    bounds = column.code_bounds()
-    library = columns_library() if bounds is not None and device.type == "cpu" else None
+    """The loop for ``column``'s grid (``scale``/``zero`` ``[n_groups, out]``, filled as the groups are fitted; None:
+    SparseGPT pruning alone, ``scale`` still giving the rows): compiled where the grid has one (`code_bounds`), the
+    device is the CPU and the library builds, else torch."""
+    bounds = column.code_bounds() if column is not None else None
+    compiled = column is None or bounds is not None
+    library = columns_library() if compiled and device.type == "cpu" else None
     if library is None:
         yield TorchColumns(column, scale, zero)
         return

@@ -36,7 +36,7 @@ FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 CLONES = "-DCOMPRESS_CLONES"  # dropped where the compiler or platform has no target_clones (a retry without it)
 _I64, _PTR, _F32, _I32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int32
 SIGNATURES = {
-    "gptq_int_columns": [_I64] * 6 + [_PTR] * 5 + [_I64] + [_PTR] * 3 + [_F32, _F32, _I32],
+    "gptq_int_columns": [_I64] * 6 + [_PTR] * 5 + [_I64] + [_PTR] * 3 + [_F32, _F32, _I32, _PTR, _I32],
     "gguf_affine_columns": [_I64] * 6 + [_PTR] * 4 + [_I64] + [_PTR] * 3 + [_F32, _F32],
 }
 

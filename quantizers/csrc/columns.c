@@ -1,4 +1,4 @@
-/* GPTQ's column loop for an integer grid and for a GGUF affine block grid, compiled (compress.quantizers.native
+/* GPTQ's (and SparseGPT's) column loop for an integer grid and for a GGUF affine block grid, compiled (compress.quantizers.native
    builds it on first use).
 
    The same float32 operations in the same order as the torch loops (compress.quantizers.gptq_columns, .gguf_gptq),
@@ -10,6 +10,7 @@
    batch's square of the upper inverse Hessian factor, row stride `ldu`. */
 
 #include <math.h>
+#include <stddef.h>
 #include <stdint.h>
 
 #if defined(COMPRESS_CLONES)
@@ -34,19 +35,31 @@ static inline void feed(float *W1, const float *e, const float *U1_row, int64_t 
 /* Integer grid (compress.quantizers.grid.QuantScheme.round_column): columns [first, last) of the batch, each rounded
    to its group's grid, codes the level clamped to [lo, hi] (a zero-point grid adds the zero before clamping and
    subtracts it again to dequantize), its error divided by its pivot U1[i][i] and fed. codes and deq [block, ld];
-   scale and zero [groups, ld]; group[i] the group of batch column i. */
+   scale and zero [groups, ld]; group[i] the group of batch column i. SparseGPT's columns too: `mask` [block, ld]
+   (NULL: none) marks pruned weights, rounded as +0 (torch.where(mask, 0.0, w)); with `quantize` 0 there is no grid
+   (scale, zero, group, codes unread and unwritten) and a column's value is its weight, +0 where pruned. */
 CLONES void gptq_int_columns(int64_t first, int64_t last, int64_t block, int64_t r0, int64_t r1, int64_t ld,
                              float *W1, float *codes, float *deq, float *err, const float *U1, int64_t ldu,
                              const float *scale, const float *zero, const int64_t *group, float lo, float hi,
-                             int32_t zero_point)
+                             int32_t zero_point, const uint8_t *mask, int32_t quantize)
 {
     for (int64_t i = first; i < last; i++) {
-        const float *s = scale + group[i] * ld, *z = zero + group[i] * ld;
         float *w = W1 + i * ld, *c = codes + i * ld, *d = deq + i * ld, *e = err + i * ld;
+        const uint8_t *m = mask ? mask + i * ld : NULL;
         const float pivot = U1[i * ldu + i];
+        if (!quantize) {
+            for (int64_t r = r0; r < r1; r++) {
+                d[r] = m && m[r] ? 0.0f : w[r];
+                e[r] = (w[r] - d[r]) / pivot;
+            }
+            feed(W1, e, U1 + i * ldu, i, block, r0, r1, ld);
+            continue;
+        }
+        const float *s = scale + group[i] * ld, *z = zero + group[i] * ld;
         if (zero_point) {
             for (int64_t r = r0; r < r1; r++) {
-                float q = nearbyintf(w[r] / s[r]) + z[r];
+                const float v = m && m[r] ? 0.0f : w[r];
+                float q = nearbyintf(v / s[r]) + z[r];
                 q = q < lo ? lo : q;
                 q = q > hi ? hi : q;
                 c[r] = q;
@@ -55,7 +68,8 @@ CLONES void gptq_int_columns(int64_t first, int64_t last, int64_t block, int64_t
             }
         } else {
             for (int64_t r = r0; r < r1; r++) {
-                float q = nearbyintf(w[r] / s[r]);
+                const float v = m && m[r] ? 0.0f : w[r];
+                float q = nearbyintf(v / s[r]);
                 q = q < lo ? lo : q;
                 q = q > hi ? hi : q;
                 c[r] = q;

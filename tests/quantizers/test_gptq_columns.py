@@ -126,3 +126,37 @@ def test_gguf_affine_grids_compiled_write_the_torch_loops_bytes(kind, monkeypatc
     reference = gguf_gptq(w, h, config)
     assert compiled.data.tobytes() == reference.data.tobytes()
     assert torch.equal(compiled.weight, reference.weight)
+
+
+@needs_compiler
+@pytest.mark.parametrize("pattern", ["unstructured", "2:4", "2:4 + w4 g32", "0.5 + w3 g48 sym"])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_sparsegpt_compiled_equals_its_torch_loop_bit_for_bit(pattern, threads, monkeypatch):
+    """SparseGPT's column loop with the mask (pruned weights 0, or rounded as 0 in joint mode) compiled: the same
+    weights, masks and codes as its torch loop, whatever the thread split."""
+    from compress.pruners.masks import NM, Unstructured
+    from compress.pruners.sparsegpt import SparseGPTConfig, sparsegpt
+
+    kinds = {
+        "unstructured": (Unstructured(0.5), None), "2:4": (NM(2, 4), None),
+        "2:4 + w4 g32": (NM(2, 4), QuantScheme(4, False, 32)), "0.5 + w3 g48 sym": (Unstructured(0.5), QuantScheme(3, True, 48)),
+    }
+    shape, scheme = kinds[pattern]
+    monkeypatch.setattr(gptq_columns, "MIN_ROWS", 8)
+    w, h, _ = correlated_layer(53, 192, 400, seed=threads)
+    config = SparseGPTConfig(shape, block_size=64, scheme=scheme)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        monkeypatch.setenv("COMPRESS_NATIVE", "1")
+        compiled = sparsegpt(w, h, config)
+    finally:
+        torch.set_num_threads(before)
+    monkeypatch.setenv("COMPRESS_NATIVE", "0")
+    reference = sparsegpt(w, h, config)
+    # bit patterns: a pruned weight is +0 in both (a -0 would be another value on disk)
+    assert torch.equal(compiled.weight.view(torch.int32), reference.weight.view(torch.int32))
+    assert torch.equal(compiled.pruned, reference.pruned)
+    if scheme is not None:
+        for name in ("codes", "scale", "zero"):
+            assert torch.equal(getattr(compiled.quant, name), getattr(reference.quant, name)), name
