@@ -27,16 +27,22 @@ def search_library():
     return compiled(SOURCE, SIGNATURES)
 
 
+def _prepared(x: np.ndarray):
+    """The library and ``x`` as contiguous float32 groups, or (None, x) where the compiled search does not take them
+    (no library, not ``[N, n]`` with ``0 < N`` and ``n <= MAX_N``): the callers then run numpy's search."""
+    if x.ndim != 2 or x.shape[1] > MAX_N or x.shape[0] == 0:
+        return None, x
+    library = search_library()
+    return library, (x if library is None else np.ascontiguousarray(x, dtype=np.float32))
+
+
 def qx_scales(x: np.ndarray, nmax: int, weights: np.ndarray | None, eps: np.float32) -> tuple[np.ndarray, np.ndarray] | None:
     """`compress.formats.gguf._common.make_qx_quants`' search of ``x [N, n]``: each group's scale (0 where its
     largest magnitude is under ``eps``) and the inverse scale whose rounding it kept, ``[N]`` each; None where the
     compiled search is not available (no compiler, ``COMPRESS_NATIVE=0``) or the groups are too wide."""
-    if x.ndim != 2 or x.shape[1] > MAX_N or x.shape[0] == 0:
-        return None
-    library = search_library()
+    library, x = _prepared(x)
     if library is None:
         return None
-    x = np.ascontiguousarray(x, dtype=np.float32)
     w = None if weights is None else np.ascontiguousarray(weights, dtype=np.float32).reshape(x.shape)
     scale, chosen = np.empty(x.shape[0], dtype=np.float32), np.empty(x.shape[0], dtype=np.float32)
     library.qx_scales(x.shape[0], x.shape[1], x.ctypes.data, None if w is None else w.ctypes.data, nmax, float(eps),
@@ -48,12 +54,9 @@ def qkx2_fit(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float
              use_mad: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
     """`compress.formats.gguf._common.make_qkx2_quants` of ``x`` and weights ``w`` ``[N, n]``: (scale ``[N]``, min
     ``[N]``, codes ``[N, n]`` int32), or None where the compiled search is not available or the groups are too wide."""
-    if x.ndim != 2 or x.shape[1] > MAX_N or x.shape[0] == 0:
-        return None
-    library = search_library()
+    library, x = _prepared(x)
     if library is None:
         return None
-    x = np.ascontiguousarray(x, dtype=np.float32)
     w = np.ascontiguousarray(w, dtype=np.float32).reshape(x.shape)
     scale, low = np.empty(x.shape[0], dtype=np.float32), np.empty(x.shape[0], dtype=np.float32)
     codes = np.empty(x.shape, dtype=np.int32)
@@ -65,12 +68,9 @@ def qkx2_fit(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float
 def qp_fit(x: np.ndarray, nmax: int, w: np.ndarray, eps: np.float32) -> tuple[np.ndarray, np.ndarray] | None:
     """`compress.formats.gguf._common.make_qp_quants` of ``x`` and weights ``w`` ``[N, n]``: (scale ``[N]``, codes
     ``[N, n]`` int32), or None where the compiled search is not available or the groups are too wide."""
-    if x.ndim != 2 or x.shape[1] > MAX_N or x.shape[0] == 0:
-        return None
-    library = search_library()
+    library, x = _prepared(x)
     if library is None:
         return None
-    x = np.ascontiguousarray(x, dtype=np.float32)
     w = np.ascontiguousarray(w, dtype=np.float32).reshape(x.shape)
     scale, codes = np.empty(x.shape[0], dtype=np.float32), np.empty(x.shape, dtype=np.int32)
     library.qp_fit(x.shape[0], x.shape[1], x.ctypes.data, w.ctypes.data, nmax, float(eps), scale.ctypes.data,
@@ -81,12 +81,9 @@ def qp_fit(x: np.ndarray, nmax: int, w: np.ndarray, eps: np.float32) -> tuple[np
 def q3_fit(x: np.ndarray, nmax: int, eps: np.float32) -> tuple[np.ndarray, np.ndarray] | None:
     """`compress.formats.gguf._common.make_q3_quants` of ``x [N, n]``: (scale ``[N]``, codes ``[N, n]`` int32), or
     None where the compiled search is not available or the groups are too wide."""
-    if x.ndim != 2 or x.shape[1] > MAX_N or x.shape[0] == 0:
-        return None
-    library = search_library()
+    library, x = _prepared(x)
     if library is None:
         return None
-    x = np.ascontiguousarray(x, dtype=np.float32)
     scale, codes = np.empty(x.shape[0], dtype=np.float32), np.empty(x.shape, dtype=np.int32)
     library.q3_fit(x.shape[0], x.shape[1], x.ctypes.data, nmax, float(eps), scale.ctypes.data, codes.ctypes.data)
     return scale, codes
