@@ -31,7 +31,7 @@ import numpy as np
 from compress.checkpoints.gguf_file import mapped_tensors
 from compress.cli.allocator import allocator_policy, set_allocator
 from compress.export.gguf import ExportConfig, export_gguf
-from compress.export.encoding_pool import export_encoder, read_ahead, searched_weights
+from compress.export.encoding_pool import export_encoder, read_ahead
 from compress.formats.gguf.plan import FILE_TYPE, PRESETS, Target
 from compress.formats.gguf.sizes import GGMLType
 from pipeline import RANDOM_SHAPES, random_checkpoint  # bench/pipeline.py, beside this script
@@ -54,7 +54,7 @@ def ours(path: Path, kind: GGMLType, out: Path) -> tuple[float, dict[str, bytes]
     start = time.perf_counter()
     encoded = {}
     matrices = f16_matrices(path)
-    with out.open("wb") as sink, export_encoder(searched_weights([(t.shape, kind) for t in matrices], False), [kind]) as encoder:
+    with out.open("wb") as sink, export_encoder([(t.shape, kind) for t in matrices], False) as encoder:
 
         def read_tensor(tensor) -> list:  # read and handed to the encoder, as the export does (`read_ahead`)
             cols, rows = tensor.shape

@@ -35,10 +35,10 @@ SOURCE = Path(__file__).parent / "csrc" / "columns.c"
 FLAGS = ("-O3", "-ffp-contract=off", "-fno-math-errno", "-fPIC", "-shared")
 CLONES = "-DCOMPRESS_CLONES"  # dropped where the compiler or platform has no target_clones (a retry without it)
 _I64, _PTR, _F32, _I32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int32
-SIGNATURES = {
-    "gptq_int_columns": [_I64] * 6 + [_PTR] * 5 + [_I64] + [_PTR] * 3 + [_F32, _F32, _I32, _PTR, _I32],
-    "gguf_affine_columns": [_I64] * 6 + [_PTR] * 4 + [_I64] + [_PTR] * 3 + [_F32, _F32],
-}
+SIGNATURES = (  # each function's argument types (all return void), set once where the library is loaded
+    ("gptq_int_columns", (_I64,) * 6 + (_PTR,) * 5 + (_I64,) + (_PTR,) * 3 + (_F32, _F32, _I32, _PTR, _I32)),
+    ("gguf_affine_columns", (_I64,) * 6 + (_PTR,) * 4 + (_I64,) + (_PTR,) * 3 + (_F32, _F32)),
+)
 
 
 def cache_dir() -> Path:
@@ -50,29 +50,28 @@ def columns_library() -> ctypes.CDLL | None:
     return compiled(SOURCE, SIGNATURES)
 
 
-def compiled(source: Path, signatures: dict[str, list]) -> ctypes.CDLL | None:
-    """``source`` built and loaded, its functions' argument types set from ``signatures`` (each returns void); None
-    where ``COMPRESS_NATIVE=0`` or it cannot be built or loaded."""
+def compiled(source: Path, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | None:
+    """``source`` built and loaded, its functions' argument types set from ``signatures`` (``(name, types)`` pairs;
+    each returns void); None where ``COMPRESS_NATIVE=0`` or it cannot be built or loaded."""
     if os.environ.get("COMPRESS_NATIVE", "1") == "0":
         return None
-    library = _load(source)
-    if library is not None:
-        for name, arguments in signatures.items():
-            getattr(library, name).argtypes = arguments
-            getattr(library, name).restype = None
-    return library
+    return _load(source, signatures)
 
 
 @functools.cache
-def _load(source: Path) -> ctypes.CDLL | None:
+def _load(source: Path, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | None:
     path = _built(source)
     if path is None:
         return None
     try:
-        return ctypes.CDLL(str(path))
+        library = ctypes.CDLL(str(path))
     except OSError as error:
         log.info("compiled %s does not load (%s): using the uncompiled loop", path, error)
         return None
+    for name, arguments in signatures:
+        getattr(library, name).argtypes = arguments
+        getattr(library, name).restype = None
+    return library
 
 
 def _built(source: Path) -> Path | None:

@@ -281,21 +281,26 @@ def read_ahead(jobs: Iterable[tuple[int, Callable[[], list[Pending]]]]) -> Itera
         yield [part.result() for part in waiting.popleft()[1]]
 
 
-def export_encoder(weights: int, kinds: Iterable[GGMLType] = ()) -> TensorEncoder:
-    """The encoder for an export whose searched encodings (`searched_weights`) take ``weights`` weights, of types
-    ``kinds``: one lane per usable CPU (`encoding_cpus`), all threads of this process where every type's search runs
-    compiled (`THREAD_LANE_KINDS`), else this process and a worker process for each other CPU when there are enough
-    weights to repay starting the workers; else this process alone."""
+def export_encoder(shapes_and_kinds, weighted: bool) -> TensorEncoder:
+    """The encoder for an export of ``(shape, kind)`` tensors (``weighted``: with an importance matrix): one lane per
+    usable CPU (`encoding_cpus`), all threads of this process where every searched type's search runs compiled
+    (`THREAD_LANE_KINDS`), else this process and a worker process for each other CPU when the searched encodings
+    (`searched_weights`) are enough to repay starting the workers; else this process alone."""
     workers = encoding_cpus()
-    kinds = set(kinds)
+    kinds = {kind for _, kind in _searched(shapes_and_kinds, weighted)}
     if kinds and kinds <= THREAD_LANE_KINDS and search_library() is not None:
         return TensorEncoder(workers, threads=True)
-    return TensorEncoder(workers if weights >= MIN_POOL_WEIGHTS else 1)
+    return TensorEncoder(workers if searched_weights(shapes_and_kinds, weighted) >= MIN_POOL_WEIGHTS else 1)
+
+
+def _searched(shapes_and_kinds, weighted: bool) -> list[tuple]:
+    """The ``(shape, kind)`` pairs of matrices whose encoding is a search (`searched`)."""
+    return [(shape, kind) for shape, kind in shapes_and_kinds if len(shape) > 1 and searched(kind, weighted)]
 
 
 def searched_weights(shapes_and_kinds, weighted: bool) -> int:
     """How many weights of ``(shape, kind)`` pairs are encoded by a search (`searched`)."""
-    return sum(math.prod(shape) for shape, kind in shapes_and_kinds if len(shape) > 1 and searched(kind, weighted))
+    return sum(math.prod(shape) for shape, _ in _searched(shapes_and_kinds, weighted))
 
 
 def encode_job(job: tuple) -> np.ndarray:

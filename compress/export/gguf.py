@@ -50,7 +50,7 @@ from compress.checkpoints.model_io import open_model
 from compress.checkpoints.output import OutputLock, check_outside_input, disk_error, run_inputs
 from compress.checkpoints.shards import CheckpointReader
 from compress.errors import CompressError
-from compress.export.encoding_pool import Pending, export_encoder, read_ahead, searched, searched_weights
+from compress.export.encoding_pool import Pending, export_encoder, read_ahead
 from compress.export.gguf_arch import (
     ARCHITECTURES, NORM_SHIFT, PERMUTED_ARCHS, TRANSPOSED_ARCHS, add_metadata, expert_count, read_config,
 )
@@ -398,8 +398,7 @@ def _write(config: ExportConfig, hf: dict, encoded: Mapping[str, tuple[GGMLType,
             return encoder.submit(rows.numpy(), kind, _importance(entry, gname, name, shape[-1]) if entry is not None else None)
 
         to_encode = [(shape, kind) for sources, _, kind, shape in entries if any(given_bytes(n) is None for n in sources)]
-        searched_kinds = {kind for shape, kind in to_encode if len(shape) > 1 and searched(kind, imatrix is not None)}
-        with export_encoder(searched_weights(to_encode, imatrix is not None), searched_kinds) as encoder:  # lanes if large
+        with export_encoder(to_encode, imatrix is not None) as encoder:  # threads or worker processes if worth it
             def read_tensor(sources: list[str], gname: str, kind: GGMLType, shape: list[int]) -> list[Pending]:
                 return [encode(name, gname, kind, shape) for name in sources]  # experts stacked in order
 

@@ -13,12 +13,12 @@ from compress.quantizers.native import compiled
 
 SOURCE = Path(__file__).parent / "csrc" / "qx_search.c"
 _I64, _PTR, _I32, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_int32, ctypes.c_float
-SIGNATURES = {
-    "qx_scales": [_I64, _I64, _PTR, _PTR, _I32, _F32, _PTR, _PTR],
-    "qkx2_fit": [_I64, _I64, _PTR, _PTR, _I32, _F32, _F32, _I32, _I32, _PTR, _PTR, _PTR],
-    "qp_fit": [_I64, _I64, _PTR, _PTR, _I32, _F32, _PTR, _PTR],
-    "q3_fit": [_I64, _I64, _PTR, _I32, _F32, _PTR, _PTR],
-}
+SIGNATURES = (  # each function's argument types (all return void)
+    ("qx_scales", (_I64, _I64, _PTR, _PTR, _I32, _F32, _PTR, _PTR)),
+    ("qkx2_fit", (_I64, _I64, _PTR, _PTR, _I32, _F32, _F32, _I32, _I32, _PTR, _PTR, _PTR)),
+    ("qp_fit", (_I64, _I64, _PTR, _PTR, _I32, _F32, _PTR, _PTR)),
+    ("q3_fit", (_I64, _I64, _PTR, _I32, _F32, _PTR, _PTR)),
+)
 MAX_N = 64  # values per group the compiled search takes (its tile's buffers)
 
 
