@@ -295,14 +295,21 @@ class Engine:
             sequential = stage.method.sequential and stage.method.needs
             order = self._call_order(block, block_name, layers, inputs) if stage.method.needs else None
             for group in order.groups if sequential else [layers]:
-                needs = self._group_needs(stage, group)
-                collector = self._collect(block, inputs, group, needs, routing, order.same_input if needs else [])
+                read = self._layers_read(stage, block, block_name, group)
+                needs = self._group_needs(stage, read)
+                collector = self._collect(block, inputs, read, needs, routing, order.same_input if needs else [])
                 reports += self._solve_group(stage, block, block_name, group, collector, routing, inputs)
         return reports
 
     @staticmethod
     def _group_needs(stage: Stage, group: dict[str, nn.Module]) -> frozenset[Stat]:
         return frozenset().union(*(stage.method_for(name).needs for name in group))
+
+    @staticmethod
+    def _layers_read(stage: Stage, block: nn.Module, block_name: str, group: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        """The layers of ``group`` whose inputs the statistics pass reads (`Method.layer_needs`)."""
+        return {name: module for name, module in group.items()
+                if stage.method_for(name).layer_needs(block, name[len(block_name) + 1 :])}
 
     def _solve_group(self, stage: Stage, block: nn.Module, block_name: str, group: dict[str, nn.Module],
                      collector: StatsCollector, routing: dict, inputs) -> list[LayerReport]:
@@ -315,7 +322,7 @@ class Engine:
         for method, part in stage.split(group):
             parallel = self.ranks.world > 1 and method.layerwise
             solve = functools.partial(solve_on_owners, self.ranks) if parallel else self._solve
-            for report in solve(method, block, part, {n: stats[n] for n in part}, replay):
+            for report in solve(method, block, part, {n: stats.get(n, {}) for n in part}, replay):
                 report.info.update(tokens.get(report.name, {}))
                 self.on_layer(report)
                 reports.append(report)

@@ -84,18 +84,21 @@ def run_until_called(block: nn.Module, inputs, layers: dict[str, nn.Module],
     """Run ``block`` on every calibration batch only until each of ``layers`` has been called: nothing
     after their last call can change their inputs, so a statistics pass for q/k/v stops before the
     attention, one for gate/up before the MLP's down projection (true-sequential's 4 passes cost ~2).
+    The pass ends as the last of them is called, before it computes anything: a pass is for the layers'
+    inputs, which pre-hooks registered before this one (`StatsCollector`'s, `inputs_of`'s) have then seen
+    (a down projection's pass skips the down projection, SmoothQuant's skips the up projection and all after it).
     ``before_batch(k)`` is called before batch ``k`` runs."""
     pending: set[str] = set()
 
     def called(name: str):
-        def hook(_module, _args, _output):
+        def hook(_module, _args):
             pending.discard(name)
             if not pending:
                 raise StopForward
 
         return hook
 
-    handles = [module.register_forward_hook(called(name)) for name, module in layers.items()]
+    handles = [module.register_forward_pre_hook(called(name)) for name, module in layers.items()]
     try:
         with torch.inference_mode():
             for k, (h, args, kwargs) in enumerate(inputs):

@@ -78,6 +78,12 @@ class Method:
         """Statistics of each layer's input this method needs (empty: no calibration data)."""
         return frozenset()
 
+    def layer_needs(self, block: nn.Module, relative: str) -> frozenset[Stat]:
+        """What of `needs` the layer ``relative`` (its name in ``block``) needs: by default all of it. A layer that
+        needs nothing is left out of its block's statistics pass, which then may stop earlier (SmoothQuant with
+        dynamic activation scales reads only the norm-fed layers' inputs); its ``stats`` come empty."""
+        return self.needs
+
     @property
     def sequential(self) -> bool:
         """True: transform a block's layers group by group in forward order, each group's statistics

@@ -53,10 +53,25 @@ class SmoothQuant(Method):
     def __init__(self, config: SmoothQuantConfig):
         super().__init__(config)
         self.input_scales: dict[str, float | None] = {}
+        self._norm_fed_of: tuple = (None, frozenset())  # (block, names): `_norm_fed`'s last answer
 
     @property
     def needs(self) -> frozenset[Stat]:
         return frozenset({Stat.INPUT_ABSMAX})
+
+    def layer_needs(self, block, relative: str) -> frozenset[Stat]:
+        """Static activation scales read every layer's input range; dynamic ones only the smoothed layers' (those fed
+        by a norm), and without smoothing none: the statistics pass then stops at the last norm-fed layer's call."""
+        if self.config.activations == ActivationMode.TENSOR:
+            return self.needs
+        return self.needs if self.config.smooth and relative in self._norm_fed(block) else frozenset()
+
+    def _norm_fed(self, block) -> frozenset[str]:
+        """The names in ``block`` of the layers a norm feeds (those `transform_block` smooths); kept for the block."""
+        if self._norm_fed_of[0] is not block:
+            names = {n for r in resolve_groups(block, self.model_type) if r.from_norm for n in r.group.layers}
+            self._norm_fed_of = (block, frozenset(names))
+        return self._norm_fed_of[1]
 
     def prepare(self, model) -> None:
         self.model_type = model.config.model_type
@@ -69,7 +84,7 @@ class SmoothQuant(Method):
         start = time.perf_counter()
         relative = {module: name for name, module in block.named_modules()}
         selected = {relative[m]: full for full, m in layers.items()}
-        absmax = {rel: stats[full][Stat.INPUT_ABSMAX].clone() for rel, full in selected.items()}
+        absmax = {rel: stats[full][Stat.INPUT_ABSMAX].clone() for rel, full in selected.items() if stats[full]}
         info: dict[str, dict[str, Any]] = {rel: {} for rel in selected}
         if self.config.smooth:
             for resolved in resolve_groups(block, self.model_type):

@@ -302,16 +302,18 @@ def test_true_sequential_statistics_see_quantized_earlier_groups(engine, tmp_pat
 
 def test_statistics_passes_stop_after_their_group(tmp_path):
     """True-sequential: the q/k/v pass stops before the attention, the o pass before the MLP, the gate/up pass
-    before down_proj; only down_proj's pass runs the whole block (counted by hooks on the model's modules)."""
+    before down_proj; each pass ends as its last layer is called, before that layer computes: down_proj's pass
+    runs the whole block but down_proj (counted by hooks on the model's modules: called, and computed)."""
     from collections import Counter
 
     model_dir = save_random_model(tiny_llama_config(VOCAB, num_hidden_layers=1), tmp_path / "in")
     calibration = torch.randint(0, VOCAB, (4, 20), generator=torch.Generator().manual_seed(4))
     handle = open_model(model_dir)
-    calls = Counter()
+    calls, computed = Counter(), Counter()
     for name, module in handle.model.named_modules():
-        if name.endswith(("q_proj", "o_proj", "up_proj", "down_proj")):
+        if name.endswith(("q_proj", "v_proj", "o_proj", "up_proj", "down_proj")):
             module.register_forward_pre_hook(lambda _m, _a, short=name.rsplit(".", 1)[1]: calls.update([short]))
+            module.register_forward_hook(lambda _m, _a, _o, short=name.rsplit(".", 1)[1]: computed.update([short]))
     stages = [Stage(SequentialRTN(RTN.Config(bits=4, group_size=32)), quantizable_layers(handle.model, [handle.block_name(0)]))]
     (tmp_path / "out").mkdir()
     writer = ShardedWriter(tmp_path / "out", 1 << 30)
@@ -319,4 +321,6 @@ def test_statistics_passes_stop_after_their_group(tmp_path):
     Engine(handle, stages, batch_size=2, activation_memory=1).run(writer, calibration)
     writer.close()
     # 2 batches; one sample batch learns the call order; 4 group passes; no propagation after the last block
-    assert calls == {"q_proj": 1 + 4 * 2, "o_proj": 1 + 3 * 2, "up_proj": 1 + 2 * 2, "down_proj": 1 + 1 * 2}
+    assert calls == {"q_proj": 1 + 4 * 2, "v_proj": 1 + 4 * 2, "o_proj": 1 + 3 * 2, "up_proj": 1 + 2 * 2, "down_proj": 1 + 1 * 2}
+    # the last layer a pass reads is called, not computed: v_proj in the q/k/v pass, o_proj in its own, ...
+    assert computed == {"q_proj": 1 + 4 * 2, "v_proj": 1 + 3 * 2, "o_proj": 1 + 2 * 2, "up_proj": 1 + 1 * 2, "down_proj": 1}
