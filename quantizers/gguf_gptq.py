@@ -40,7 +40,7 @@ from compress.formats.gguf.codecs import decode_tensor, round_trip
 from compress.formats.gguf.lattice import parity_signs
 from compress.formats.gguf.sizes import GGMLType
 from compress.quantizers.gptq import check_solver_settings, factored_figures, proxy_loss_rows, solver_inputs
-from compress.quantizers.gptq_columns import AffineColumns, affine_steps, feed_error_
+from compress.quantizers.gptq_columns import AffineColumns, affine_steps, feed_error_, lazy_update
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.threads import one_thread
 
@@ -186,18 +186,27 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
 
 def _solve_columns(W: torch.Tensor, U: torch.Tensor, kind: GGMLType, batch: int, importance: np.ndarray | None,
                    row_sigma2: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
-    """GPTQ's column loop over ``W [rows, in]`` (updated in place) with the upper inverse factor ``U``, in lazy
-    batches of ``batch`` columns: the packed bytes ``[rows, row_bytes]`` and ``Σ err²`` by row (float64), the
-    damped error of each row (`compress.quantizers.gptq.factored_figures`)."""
+    """GPTQ's column loop over ``W [rows, in]`` with the upper inverse factor ``U``, in lazy batches of ``batch``
+    columns: the packed bytes ``[rows, row_bytes]`` and ``Σ err²`` by row (float64), the damped error of each row
+    (`compress.quantizers.gptq.factored_figures`). ``W`` is held transposed (a column per row, as the batch is).
+
+    On the CPU no step runs on torch's threads: the lazy update's product is cut into runs of rows, each on a thread
+    of ours (`lazy_update`), as the compiled loop and the grid fits (the encoders' threads) are. After a product on
+    torch's threads, its idle OpenMP thread kept spinning on a core for a few milliseconds, waiting for its next task,
+    while the fit's two threads wanted both cores (a 256-column Q4_K fit of 2048 rows: 9 ms alone, 14-18 ms after
+    a product). `bench/gptq_speed.py --gguf q4_k q6_k`, 2048 x 2048, 2 cores: Q4_K 0.43-0.46 -> 0.38-0.40 s,
+    Q6_K 0.41-0.43 -> 0.37-0.39 s (integer GPTQ 0.27-0.28 s)."""
     rows, cols = W.shape
     B = grids.block_size(kind)
     blocks: list[np.ndarray] = []  # packed bytes [rows, type_size] of each block column, in order
     err_rows = torch.zeros(rows, dtype=torch.float64)
-    with affine_steps(rows, W.device) as compiled:  # the affine grids' loop compiled where it can be
+    Wt = W.T.contiguous()  # [in, rows]: each batch's columns are contiguous rows, updated in place
+    with affine_steps(rows, W.device) as compiled, lazy_update(W.device) as update:
         for i1 in range(0, cols, batch):
             i2 = min(i1 + batch, cols)
-            W1t, U1 = W[:, i1:i2].T.contiguous(), U[i1:i2, i1:i2]  # [batch, rows]: a column per row
-            Err1t = torch.zeros_like(W1t)
+            W1t, U1 = Wt[i1:i2], U[i1:i2, i1:i2]  # [batch, rows]: a column per row
+            with one_thread(W.device):
+                Err1t = torch.zeros_like(W1t)
             for b in range(0, i2 - i1, B):
                 qw = None if importance is None else np.broadcast_to(importance[i1 + b : i1 + b + B], (rows, B))
                 grid = grids.fit(kind, W1t[b : b + B].T.numpy(), qw, row_sigma2)
@@ -206,6 +215,7 @@ def _solve_columns(W: torch.Tensor, U: torch.Tensor, kind: GGMLType, batch: int,
                 else:
                     with one_thread(W1t.device):
                         blocks.append(grids.pack(grid, _round_block(W1t, Err1t, U1, b, grid, compiled)))
-            W[:, i2:] -= Err1t.T @ U[i1:i2, i2:]  # lazy batch update of all later columns
-            err_rows += Err1t.square().sum(0)  # float32 over the batch's columns, float64 across batches
+            update(Wt[i2:], U[i1:i2, i2:].T, Err1t)  # lazy batch update of all later columns
+            with one_thread(W.device):
+                err_rows += Err1t.square().sum(0)  # float32 over the batch's columns, float64 across batches
     return np.concatenate(blocks, axis=1), err_rows

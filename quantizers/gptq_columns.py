@@ -13,12 +13,13 @@ batch of 128 columns of 28672 rows: 39-51 ms in torch, 20 ms compiled.
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from collections.abc import Iterator
 
 import torch
 
 from compress.quantizers.native import columns_library
+from compress.quantizers.threads import one_thread, one_thread_workers
 
 MIN_ROWS = 256  # rows per thread of the compiled loop below which one thread does it all (a hand-off costs ~10 µs)
 
@@ -172,3 +173,23 @@ def affine_steps(rows: int, device: torch.device) -> Iterator[AffineColumns | No
         return
     with row_split(rows) as split:
         yield AffineColumns(library, split)
+
+
+
+@contextmanager
+def lazy_update(device: torch.device) -> Iterator:
+    """``update(into, a, b)``: ``into -= a @ b`` (``into [m, n]``, ``a [m, k]``), on the CPU in runs of ``into``'s rows,
+    one per torch thread, each a one-thread product on a thread of ours (`RowSplit`): no OpenMP thread is left
+    spinning after it (see `compress.quantizers.gguf_gptq._solve_columns`); on a GPU the plain product."""
+    if device.type != "cpu":
+        yield lambda into, a, b: into.addmm_(a, b, alpha=-1)
+        return
+    threads = torch.get_num_threads()
+    with one_thread_workers(threads - 1) if threads > 1 else nullcontext() as pool:
+
+        def update(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+            parts = max(1, min(threads, into.shape[0] // MIN_ROWS))
+            with one_thread(device):
+                RowSplit(into.shape[0], parts, pool)(lambda r0, r1: into[r0:r1].addmm_(a[r0:r1], b, alpha=-1))
+
+        yield update

@@ -25,9 +25,11 @@ from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import numpy as np
+import torch
 
 from compress.formats.gguf.codecs import CODECS, chunk_elements, in_chunks, plain_importance
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
+from compress.quantizers.threads import one_thread
 
 
 @dataclass(frozen=True)
@@ -113,9 +115,17 @@ def fit(
         data[part] = codec.encode_weighted(blocks[part], importance[part], row_sigma2[part]) if weighted else codec.encode(blocks[part])
 
     in_chunks(blocks.shape[0], blocks.shape[1], work, chunk_elements(kind, weighted))
-    grid, _ = codec.unpack(data)
+    # the decodes on one thread: torch's threads would leave an OpenMP thread spinning on a core for a while after,
+    # which the threads of GPTQ's next step (compress.quantizers.gguf_gptq) want
+    with one_thread(torch.device("cpu")):
+        return _affine_grid(kind, codec.unpack(data)[0], blocks.shape)
+
+
+def _affine_grid(kind: GGMLType, grid: Any, shape: tuple[int, int]) -> BlockGrid:
+    """The `BlockGrid` of the codec's ``grid`` for blocks of ``shape``: each weight's step and offset, decoded."""
+    codec = CODECS[kind]
     lo, hi = codec.CODES
-    zeros = np.zeros(blocks.shape, dtype=np.int8 if lo < 0 else np.uint8)
+    zeros = np.zeros(shape, dtype=np.int8 if lo < 0 else np.uint8)
     levels = getattr(codec, "LEVELS", None)
     if levels is not None:  # x = step·LEVELS[q]: the step is the decode of the code whose level is 1
         unit = lo + int(np.flatnonzero(levels == 1)[0])

@@ -160,3 +160,25 @@ def test_sparsegpt_compiled_equals_its_torch_loop_bit_for_bit(pattern, threads, 
     if scheme is not None:
         for name in ("codes", "scale", "zero"):
             assert torch.equal(getattr(compiled.quant, name), getattr(reference.quant, name)), name
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("rows", [100, 700])  # under MIN_ROWS a thread; over it, runs of rows on several
+def test_lazy_update_subtracts_the_product(rows, threads):
+    """``into -= a @ b`` in runs of rows on our threads, against the float64 product; strided operands as the solver
+    passes them (``a`` a transposed view of the factor's rows)."""
+    g = torch.Generator().manual_seed(rows)
+    into = torch.randn(rows + 5, 96, generator=g)[5:]
+    a = torch.randn(40, rows, generator=g).T
+    b = torch.randn(40, 96, generator=g)
+    expected = into.double() - a.double() @ b.double()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with gptq_columns.lazy_update(torch.device("cpu")) as update:
+            update(into, a, b)
+            update(into[:0], a[:0], b)  # nothing left to update
+        assert torch.get_num_threads() == threads
+    finally:
+        torch.set_num_threads(before)
+    torch.testing.assert_close(into.double(), expected, rtol=1e-5, atol=1e-4)
