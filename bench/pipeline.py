@@ -70,7 +70,7 @@ METHODS = {
     "gptq": lambda a: {"method": "gptq", "bits": a.bits, "group_size": a.group_size, "act_order": a.act_order, "mse": False},
     "rtn": lambda a: {"method": "rtn", "bits": a.bits, "group_size": a.group_size},
     "awq": lambda a: {"method": "awq", "bits": a.bits, "group_size": a.group_size, "symmetric": False},
-    "w8a8": lambda a: [{"method": "smoothquant"}, {"method": "gptq", "scheme": "w8a8-int8", "mse": False}],
+    "w8a8": lambda a: [{"method": "smoothquant", "quantize_weights": False}, {"method": "gptq", "scheme": "w8a8-int8", "mse": False}],
 }
 
 
