@@ -46,8 +46,8 @@ from compress.engine.passes import (
 )
 from compress.checkpoints.model_io import ModelHandle, get_weight
 from compress.engine.one_pass import (
-    first_window, memory_for_one_pass, one_pass_batch, one_pass_capable, solve_while_propagating, window_chunks,
-    windows_of, windows_per_chunk,
+    Prologue, first_group_reading, first_window, fused_stages, memory_for_one_pass, one_pass_batch, one_pass_capable, solve_while_propagating,
+    window_chunks, windows_of, windows_per_chunk,
 )
 from compress.engine.reference import ReferenceStream
 from compress.engine.stages import BlockObserver, EngineResult, Stage  # noqa: F401 - imported from here too
@@ -288,13 +288,23 @@ class Engine:
             module.calibrate_all_experts = self.all_experts
         if self.reference is not None:
             self.reference.start(block_name, block)
-        for stage in self.stages if stages is None else stages:
+        stages = self.stages if stages is None else stages
+        fused = self._fused(stages, block, block_name) if not routing else None
+        if fused is not None:  # the earlier stages' groups between the last stage's, as in the one pass (`_one_pass`)
+            reports += self._solve_upfront(fused[0], block, block_name, inputs)
+            stages = stages[-1:]
+        for stage in stages:
             layers = {n: m for n, m in stage.layers.items() if n.startswith(block_name + ".")}
             if not layers:
                 continue
             sequential = stage.method.sequential and stage.method.needs
             order = self._call_order(block, block_name, layers, inputs) if stage.method.needs else None
             for group in order.groups if sequential else [layers]:
+                for earlier, _, _, readers in fused[1] if fused is not None else []:
+                    if group is first_group_reading(order.groups, readers):  # a statistics pass up to the readers
+                        needs = self._readers_needs(earlier, block, block_name, readers)
+                        collector = self._collect(block, inputs, readers, needs, routing, [list(readers)])
+                        reports += self._solve_group(earlier, block, block_name, readers, collector, routing, inputs)
                 read = self._layers_read(stage, block, block_name, group)
                 needs = self._group_needs(stage, read)
                 collector = self._collect(block, inputs, read, needs, routing, order.same_input if needs else [])
@@ -352,11 +362,18 @@ class Engine:
         cut = self._heap_chunks() and type(block) not in self._uncut and windows != seq_len
         parts = window_chunks(layers, windows, seq_len, inputs[0][0].element_size()) if cut else [slice(0, windows)]
         chunks = [windows_of(inputs[0], windows, part) for part in parts] if len(parts) > 1 else [inputs[0]]
-        earlier = self._compress_block(index, chunks, self.stages[:-1]) if len(self.stages) > 1 else []  # pass by pass, by chunk
+        fused = self._fused(self.stages, block, block_name)
+        if fused is None:  # the stages before run pass by pass, by chunk
+            earlier, prologues = self._compress_block(index, chunks, self.stages[:-1]), []
+        else:  # inside the pass: their layers without statistics first, then each group as its producer is reached
+            earlier = self._solve_upfront(fused[0], block, block_name, inputs)
+            prologues = [Prologue(name, module, readers, functools.partial(
+                self._solve_produced, earlier_stage, block, block_name, readers, inputs))
+                for earlier_stage, name, module, readers in fused[1]]
         needs_of = functools.partial(self._group_needs, stage)
         solve_group = functools.partial(self._solve_group, stage, block, block_name, routing={}, inputs=inputs)
         try:
-            reports, hidden = solve_while_propagating(block, chunks, order, needs_of, solve_group)
+            reports, hidden = solve_while_propagating(block, chunks, order, needs_of, solve_group, prologues)
             reports = earlier + reports
         except CallsDiverged as exc:  # (the earlier stages run again on the weights read again)
             log.warning("%s: compressing pass by pass (%s)", block_name, exc)
@@ -365,6 +382,32 @@ class Engine:
         outputs = self.new_activations()
         outputs.append(hidden, *inputs[0][1:])
         return reports, outputs
+
+    def _fused(self, stages: list[Stage], block: nn.Module, block_name: str):
+        """`one_pass.fused_stages` of the stages before the last, where the last may ride the one pass (true-sequential,
+        layer by layer): SmoothQuant's groups then run between GPTQ's, in the one pass or pass by pass alike."""
+        if len(stages) < 2 or not one_pass_capable(stages[-1].methods()):
+            return None
+        solved = {n: m for n, m in stages[-1].layers.items() if n.startswith(block_name + ".")}
+        return fused_stages(stages[:-1], block, block_name, solved)
+
+    def _solve_upfront(self, parts: list, block: nn.Module, block_name: str, inputs) -> list[LayerReport]:
+        """The fused earlier stages' layers that read no statistics (`one_pass.fused_stages`), before any pass."""
+        return [report for stage, part in parts for report in
+                self._solve_group(stage, block, block_name, part, StatsCollector(part, frozenset()), {}, inputs)]
+
+    @staticmethod
+    def _readers_needs(stage: Stage, block: nn.Module, block_name: str, readers: dict[str, nn.Module]) -> frozenset[Stat]:
+        return frozenset().union(*(stage.method.layer_needs(block, n[len(block_name) + 1 :]) for n in readers))
+
+    def _solve_produced(self, stage: Stage, block: nn.Module, block_name: str, readers: dict[str, nn.Module], inputs,
+                        outputs: list[torch.Tensor]) -> list[LayerReport]:
+        """An earlier stage's group inside the one pass (`one_pass.Prologue`), from its producer's ``outputs``."""
+        collector = StatsCollector(readers, self._readers_needs(stage, block, block_name, readers), [list(readers)])
+        for y in outputs:  # the chunks in order; every reader is fed the very same tensor
+            for name in readers:
+                collector.feed(name, y)
+        return self._solve_group(stage, block, block_name, readers, collector, {}, inputs)
 
     def _expert_tokens(self, block_name: str, routing: dict, collector: StatsCollector) -> dict[str, dict[str, int]]:
         counts = _expert_tokens(block_name, routing, collector)

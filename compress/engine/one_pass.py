@@ -9,13 +9,20 @@ the windows in one batch, so it is taken where that batch's forward pass fits in
 methods that transform each layer alone from its input statistics (a method that rescales a norm, like AWQ, or
 replays the block, changes what already ran). That batch's forward runs in chunks of windows that take turns
 (`window_chunks`, `compress.engine.turns`): the statistics and solves are those of the whole batch, but each
-temporary is a chunk's, which the heap can reuse; the stages before the last run pass by pass over the same chunks.
+temporary is a chunk's, which the heap can reuse; the stages before the last run pass by pass over the same chunks,
+or inside the pass where they declare the modules producing what they read (`Method.producers`: SmoothQuant's norms):
+each such group is transformed as its producer is reached, from the producer's output there (`Prologue`), so
+SmoothQuant's statistics cost no pass of their own and the MLP's smoothing reads the attention GPTQ has already
+quantized; the engine's pass-by-pass path keeps that order too (a statistics pass up to the group before the last
+stage's group it feeds), so both give the same tensors.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -74,11 +81,12 @@ def one_pass_batch(layers: dict[str, nn.Module], windows: torch.Tensor, config, 
 
 def solve_while_propagating(block: nn.Module, chunks: list, order: CallOrder,
                             needs_of: Callable[[dict], frozenset[Stat]],
-                            solve_group: Callable[[dict, StatsCollector], list]) -> tuple[list, torch.Tensor]:
+                            solve_group: Callable[[dict, StatsCollector], list],
+                            prologues: list[Prologue] = ()) -> tuple[list, torch.Tensor]:
     """``block`` run once on every window (``chunks`` of ``(hidden, args, kwargs)`` batches, `window_chunks`), each of
     ``order``'s groups transformed by ``solve_group(group, collector)`` from the statistics of the input it is about
-    to be fed (``needs_of(group)``): the reports and the compressed block's output. Raises `CallsDiverged` as
-    `run_solving` does."""
+    to be fed (``needs_of(group)``), and before them each `Prologue`'s, just before its producer runs: the reports
+    and the compressed block's output. Raises `CallsDiverged` as `run_solving` does."""
     reports: list = []
 
     def solve(k: int, xs: list[torch.Tensor]) -> None:
@@ -90,7 +98,68 @@ def solve_while_propagating(block: nn.Module, chunks: list, order: CallOrder,
         with torch.inference_mode(False):  # solve as the pass-by-pass engine does, outside the forward's mode
             reports.extend(solve_group(group, collector))
 
-    return reports, run_solving(block, chunks, order.groups, solve)
+    def produce(prologue: Prologue, xs: list[torch.Tensor]) -> None:
+        ys = [prologue.module.forward(x) for x in xs]  # its output on each chunk (`forward`: not its hooks again)
+        with torch.inference_mode(False):
+            reports.extend(prologue.solve(ys))
+
+    groups, steps = [], []
+    for k, group in enumerate(order.groups):
+        for prologue in prologues:
+            if group is first_group_reading(order.groups, prologue.readers):
+                groups.append({prologue.name: prologue.module})
+                steps.append(functools.partial(produce, prologue))
+        groups.append(group)
+        steps.append(functools.partial(solve, k))
+    return reports, run_solving(block, chunks, groups, lambda k, xs: steps[k](xs))
+
+
+@dataclass
+class Prologue:
+    """An earlier stage's group run inside the one pass (`Method.producers`): ``module`` (full name ``name``) produces
+    the whole input of ``readers``; ``solve(outputs)`` transforms them from the module's output on each chunk, just
+    before the module runs (its reports)."""
+
+    name: str
+    module: nn.Module
+    readers: dict[str, nn.Module]
+    solve: Callable[[list[torch.Tensor]], list]
+
+
+def first_group_reading(groups: list[dict], readers: dict) -> dict | None:
+    """The first of ``groups`` (call order) holding one of ``readers``: a producer of their input runs before it."""
+    return next((g for g in groups if set(g) & set(readers)), None)
+
+
+def fused_stages(stages: list, block: nn.Module, block_name: str, solved: dict[str, nn.Module]):
+    """How ``stages`` (those before the one pass's, which solves ``solved``) may run inside the one pass: ``(upfront,
+    groups)``, each stage's layers it transforms without statistics (first) and ``(stage, producer name, module,
+    readers)`` per group it reads (`Method.producers`); None where one may not (it runs pass by pass first)."""
+    upfront, groups = [], []
+    prefix = block_name + "."
+    for stage in stages:
+        layers = {n: m for n, m in stage.layers.items() if n.startswith(prefix)}
+        if not layers:
+            continue
+        declared = None if stage.overrides else stage.method.producers(block)
+        if declared is None:
+            return None
+        covered: set[str] = set()
+        for producer, names in declared:
+            readers = {prefix + r: layers[prefix + r] for r in names if prefix + r in layers}
+            taken = {g[1] for g in groups}
+            if not readers:
+                continue
+            if not set(readers) <= set(solved) or prefix + producer in taken:
+                return None  # read where the one pass does not stop, or a producer two stages would transform
+            groups.append((stage, prefix + producer, block.get_submodule(producer), readers))
+            covered |= set(readers)
+        rest = {n: m for n, m in layers.items() if n not in covered}
+        if any(stage.method.layer_needs(block, n[len(prefix):]) for n in rest):
+            return None
+        if rest:
+            upfront.append((stage, rest))
+    return upfront, groups
 
 
 def _widest(layers: dict[str, nn.Module]) -> int:

@@ -84,6 +84,14 @@ class Method:
         dynamic activation scales reads only the norm-fed layers' inputs); its ``stats`` come empty."""
         return self.needs
 
+    def producers(self, block: nn.Module) -> list[tuple[str, tuple[str, ...]]] | None:
+        """Whether this method may run inside the next stage's one pass (`compress.engine.one_pass`) rather than pass
+        by pass before it: None (the default) where not; else the modules of ``block`` (relative names) whose output is
+        the whole input of the listed layers. Each such group's statistics are read from that output and the group
+        transformed just before the module runs, so its output is the transformed module's; the method's other
+        layers are transformed first, with no statistics (their `layer_needs` must be empty)."""
+        return None
+
     @property
     def sequential(self) -> bool:
         """True: transform a block's layers group by group in forward order, each group's statistics

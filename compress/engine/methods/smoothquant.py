@@ -66,6 +66,15 @@ class SmoothQuant(Method):
             return self.needs
         return self.needs if self.config.smooth and relative in self._norm_fed(block) else frozenset()
 
+    def producers(self, block) -> list[tuple[str, tuple[str, ...]]] | None:
+        """With dynamic activation scales, the norms it smooths and the layers each feeds: its statistics and folds
+        then ride the next stage's one pass (static scales read the other layers' inputs too: pass by pass)."""
+        if self.config.activations == ActivationMode.TENSOR:
+            return None
+        if not self.config.smooth:
+            return []
+        return [(r.group.prev, tuple(r.group.layers)) for r in resolve_groups(block, self.model_type) if r.from_norm]
+
     def _norm_fed(self, block) -> frozenset[str]:
         """The names in ``block`` of the layers a norm feeds (those `transform_block` smooths); kept for the block."""
         if self._norm_fed_of[0] is not block:

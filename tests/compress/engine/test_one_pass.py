@@ -150,9 +150,10 @@ def test_one_pass_in_chunks_writes_what_one_batch_writes(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("chunk_bytes", [15 << 20, 1], ids=["one-chunk", "a-window-a-chunk"])
 def test_a_last_stage_rides_the_pass_after_the_stages_before_it(tmp_path, monkeypatch, tiny_tokenizer, chunk_bytes):
-    """SmoothQuant then GPTQ W8A8: each block is smoothed pass by pass (over the one pass's chunks of windows), then
-    GPTQ solves it in the one pass; the tensors are those of the run that takes every pass (the recipe's
-    `activation_memory` leaves no room for one)."""
+    """SmoothQuant then GPTQ W8A8: SmoothQuant's groups ride GPTQ's one pass, each smoothed as its norm is reached
+    (over the one pass's chunks of windows); the tensors are those of the run that takes every pass (the recipe's
+    `activation_memory` leaves no room for one), where each smoothing gets a statistics pass of its own before the
+    GPTQ group its norm feeds."""
     from compress.engine import one_pass
 
     monkeypatch.setattr(one_pass, "CHUNK_BYTES", chunk_bytes)
