@@ -264,3 +264,38 @@ def _descendants(pid: int) -> list[int]:
             children = (task / "children").read_text().split() if (task / "children").exists() else []
             queue += [int(c) for c in children]
     return found
+
+
+def test_two_processes_smooth_inside_gptqs_pass(tmp_path):
+    """SmoothQuant then GPTQ W8A8 (`recipes/smoothquant-gptq-w8a8.yaml`'s stages): the norms smoothed inside GPTQ's
+    pass from every rank's windows, the output of one process."""
+    import yaml
+
+    def recipe(out: Path) -> Path:
+        path = tmp_path / f"{out.name}.yaml"
+        path.write_text(yaml.safe_dump({
+            "model": str(REFERENCE_MODEL), "calibration": {"path": str(CALIB_TEXT), "samples": 6, "seq_len": 96},
+            "stages": [{"method": "smoothquant", "quantize_weights": False},
+                       {"method": "gptq", "scheme": "w8a8-int8", "group_size": -1}],
+            "output": {"path": str(out)}}))
+        return path
+
+    one, two = tmp_path / "one", tmp_path / "two"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as each rank runs
+    try:
+        done = CliRunner().invoke(app, ["run", str(recipe(one)), "--json"])
+    finally:
+        torch.set_num_threads(threads)
+    assert done.exit_code == 0, done.output
+    launched = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+         "-m", "compress.cli", "run", str(recipe(two)), "--json"],
+        capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
+    )
+    assert launched.returncode == 0, launched.stdout + launched.stderr
+    a, b = _tensors(one), _tensors(two)
+    assert a.keys() == b.keys()
+    differing = [name for name in a if not torch.equal(a[name], b[name])]
+    assert not differing, f"{len(differing)} tensors differ: {differing[:3]}"
+    assert any("norm" in name for name in a)
