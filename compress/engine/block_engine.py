@@ -46,8 +46,8 @@ from compress.engine.passes import (
 )
 from compress.checkpoints.model_io import ModelHandle, get_weight
 from compress.engine.one_pass import (
-    Prologue, first_group_reading, first_window, fused_stages, memory_for_one_pass, one_pass_batch, one_pass_capable, solve_while_propagating,
-    window_chunks, windows_of, windows_per_chunk,
+    Prologue, first_group_reading, first_window, fused_stages, memory_for_one_pass, one_pass_batch, one_pass_capable,
+    solve_while_propagating, window_chunks, windows_of, windows_per_chunk,
 )
 from compress.engine.reference import ReferenceStream
 from compress.engine.stages import BlockObserver, EngineResult, Stage  # noqa: F401 - imported from here too
