@@ -12,6 +12,7 @@ batch of 128 columns of 28672 rows: 39-51 ms in torch, 20 ms compiled.
 
 from __future__ import annotations
 
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager, nullcontext
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import torch
 from compress.quantizers.native import columns_library
 from compress.quantizers.threads import one_thread, one_thread_workers
 
+RUNS_PER_THREAD = 4
 MIN_ROWS = 256  # rows per thread of the compiled loop below which one thread does it all (a hand-off costs ~10 µs)
 
 
@@ -65,16 +67,34 @@ class TorchColumns:
 
 
 class RowSplit:
-    """The rows ``[0, rows)`` cut into contiguous runs, one per thread: ``split(run)`` calls ``run(r0, r1)`` for each
-    run, the first on this thread and the others on ``pool``'s (the compiled loops release the interpreter's lock)."""
+    """The rows ``[0, rows)`` cut into contiguous runs, up to `RUNS_PER_THREAD` for each of ``parts`` threads (none under
+    `MIN_ROWS`): ``split(run)`` calls ``run(r0, r1)`` once for each run, this thread and ``pool``'s taking the next run
+    until none is left (the compiled loops release the interpreter's lock). Taken, not dealt: a thread that starts late
+    (torch's idle OpenMP thread still spinning on its core after a product, see `compress.quantizers.gguf_gptq`) takes
+    fewer runs instead of holding up the others. Each row depends on itself alone: the same bits however they are cut."""
 
     def __init__(self, rows: int, parts: int, pool: ThreadPoolExecutor | None):
-        self.splits = [(p * rows // parts, (p + 1) * rows // parts) for p in range(parts)]
-        self.pool = pool
+        count = parts if pool is None else max(parts, min(parts * RUNS_PER_THREAD, rows // MIN_ROWS))
+        self.splits = [(p * rows // count, (p + 1) * rows // count) for p in range(count)]
+        self.parts, self.pool = parts, pool
 
     def __call__(self, run) -> None:
-        helped = [self.pool.submit(run, *split) for split in self.splits[1:]] if self.pool is not None else []
-        run(*self.splits[0])
+        if self.pool is None:
+            for split in self.splits:
+                run(*split)
+            return
+        runs, lock = iter(self.splits), threading.Lock()
+
+        def take() -> None:
+            while True:
+                with lock:
+                    split = next(runs, None)
+                if split is None:
+                    return
+                run(*split)
+
+        helped = [self.pool.submit(take) for _ in range(self.parts - 1)]
+        take()
         for done in helped:
             done.result()
 

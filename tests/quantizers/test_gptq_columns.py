@@ -6,6 +6,7 @@ reference in test_gptq.py, which runs on the compiled loop wherever a C compiler
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 import shutil
 
 import pytest
@@ -55,14 +56,38 @@ def test_compiled_loop_equals_the_torch_loop_bit_for_bit(case, threads, monkeypa
 
 @needs_compiler
 def test_each_thread_runs_its_own_rows(monkeypatch):
-    """The rows are cut between the threads in contiguous runs covering them all once."""
+    """The rows are cut into contiguous runs covering them all once, up to 4 a thread, none under MIN_ROWS."""
     monkeypatch.setattr(gptq_columns, "MIN_ROWS", 8)
     scale = torch.ones(1, 50)
     with gptq_columns.column_steps(QuantScheme(4, True, -1), scale, scale, torch.device("cpu")) as steps:
         splits = steps.splits
     assert splits[0][0] == 0 and splits[-1][1] == 50
     assert all(a[1] == b[0] and a[0] < a[1] for a, b in zip(splits, splits[1:]))
-    assert len(splits) == min(torch.get_num_threads(), 50 // 8)
+    threads = min(torch.get_num_threads(), 50 // 8)
+    assert len(splits) == (max(threads, min(4 * threads, 50 // 8)) if threads > 1 else 1)
+
+
+@pytest.mark.parametrize("parts", [1, 2, 3])
+def test_the_threads_take_every_run_once(parts):
+    """Runs are taken, not dealt: a helper that starts late (here: whose first run sleeps) takes fewer, and every run
+    is still done exactly once."""
+    import threading
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    done, main = [], threading.get_ident()
+    with ThreadPoolExecutor(parts - 1) if parts > 1 else nullcontext() as pool:
+        split = gptq_columns.RowSplit(4000, parts, pool)
+
+        def run(r0: int, r1: int) -> None:
+            if threading.get_ident() != main and not any(t != main for t, _ in done):
+                time.sleep(0.05)  # a late helper
+            done.append((threading.get_ident(), (r0, r1)))
+
+        split(run)
+    assert sorted(r for _, r in done) == split.splits and len(split.splits) == (1 if parts == 1 else min(4 * parts, 15))
+    if parts > 1:
+        assert sum(t == main for t, _ in done) > len(split.splits) // parts  # this thread took the late one's share
 
 
 def test_float_grids_and_the_switch_keep_the_torch_loop(monkeypatch):
