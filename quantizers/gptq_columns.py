@@ -74,12 +74,12 @@ class RowSplit:
     fewer runs instead of holding up the others. Each row depends on itself alone: the same bits however they are cut."""
 
     def __init__(self, rows: int, parts: int, pool: ThreadPoolExecutor | None):
-        count = parts if pool is None else max(parts, min(parts * RUNS_PER_THREAD, rows // MIN_ROWS))
+        count = parts if pool is None or parts == 1 else max(parts, min(parts * RUNS_PER_THREAD, rows // MIN_ROWS))
         self.splits = [(p * rows // count, (p + 1) * rows // count) for p in range(count)]
         self.parts, self.pool = parts, pool
 
     def __call__(self, run) -> None:
-        if self.pool is None:
+        if self.pool is None or self.parts == 1:
             for split in self.splits:
                 run(*split)
             return
@@ -99,10 +99,15 @@ class RowSplit:
             done.result()
 
 
+def thread_parts(rows: int, threads: int) -> int:
+    """Threads to share ``rows`` between: up to ``threads``, one where a thread's rows would be under `MIN_ROWS`."""
+    return max(1, min(threads, rows // MIN_ROWS))
+
+
 @contextmanager
 def row_split(rows: int) -> Iterator[RowSplit]:
-    """A `RowSplit` of ``rows`` between torch's threads (one where the runs would be under `MIN_ROWS`)."""
-    parts = max(1, min(torch.get_num_threads(), rows // MIN_ROWS))
+    """A `RowSplit` of ``rows`` between torch's threads (`thread_parts`)."""
+    parts = thread_parts(rows, torch.get_num_threads())
     pool = ThreadPoolExecutor(parts - 1) if parts > 1 else None
     try:
         yield RowSplit(rows, parts, pool)
@@ -195,7 +200,6 @@ def affine_steps(rows: int, device: torch.device) -> Iterator[AffineColumns | No
         yield AffineColumns(library, split)
 
 
-
 @contextmanager
 def lazy_update(device: torch.device) -> Iterator:
     """``update(into, a, b)``: ``into -= a @ b`` (``into [m, n]``, ``a [m, k]``), on the CPU in runs of ``into``'s rows,
@@ -208,8 +212,7 @@ def lazy_update(device: torch.device) -> Iterator:
     with one_thread_workers(threads - 1) if threads > 1 else nullcontext() as pool:
 
         def update(into: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
-            parts = max(1, min(threads, into.shape[0] // MIN_ROWS))
             with one_thread(device):
-                RowSplit(into.shape[0], parts, pool)(lambda r0, r1: into[r0:r1].addmm_(a[r0:r1], b, alpha=-1))
+                RowSplit(into.shape[0], thread_parts(into.shape[0], threads), pool)(lambda r0, r1: into[r0:r1].addmm_(a[r0:r1], b, alpha=-1))
 
         yield update

@@ -53,7 +53,7 @@ class SmoothQuant(Method):
     def __init__(self, config: SmoothQuantConfig):
         super().__init__(config)
         self.input_scales: dict[str, float | None] = {}
-        self._norm_fed_of: tuple = (None, frozenset())  # (block, names): `_norm_fed`'s last answer
+        self._norm_groups_of: tuple = (None, [])  # (block, groups): `_norm_groups`' last answer
 
     @property
     def needs(self) -> frozenset[Stat]:
@@ -64,23 +64,23 @@ class SmoothQuant(Method):
         by a norm), and without smoothing none: the statistics pass then stops at the last norm-fed layer's call."""
         if self.config.activations == ActivationMode.TENSOR:
             return self.needs
-        return self.needs if self.config.smooth and relative in self._norm_fed(block) else frozenset()
+        smoothed = self.config.smooth and any(relative in layers for _, layers in self._norm_groups(block))
+        return self.needs if smoothed else frozenset()
 
     def producers(self, block) -> list[tuple[str, tuple[str, ...]]] | None:
         """With dynamic activation scales, the norms it smooths and the layers each feeds: its statistics and folds
         then ride the next stage's one pass (static scales read the other layers' inputs too: pass by pass)."""
         if self.config.activations == ActivationMode.TENSOR:
             return None
-        if not self.config.smooth:
-            return []
-        return [(r.group.prev, tuple(r.group.layers)) for r in resolve_groups(block, self.model_type) if r.from_norm]
+        return self._norm_groups(block) if self.config.smooth else []
 
-    def _norm_fed(self, block) -> frozenset[str]:
-        """The names in ``block`` of the layers a norm feeds (those `transform_block` smooths); kept for the block."""
-        if self._norm_fed_of[0] is not block:
-            names = {n for r in resolve_groups(block, self.model_type) if r.from_norm for n in r.group.layers}
-            self._norm_fed_of = (block, frozenset(names))
-        return self._norm_fed_of[1]
+    def _norm_groups(self, block) -> list[tuple[str, tuple[str, ...]]]:
+        """Each norm of ``block`` that `transform_block` smooths and the layers it feeds (names in the block); kept for
+        the block, which `layer_needs` asks about layer by layer."""
+        if self._norm_groups_of[0] is not block:
+            groups = [(r.group.prev, tuple(r.group.layers)) for r in resolve_groups(block, self.model_type) if r.from_norm]
+            self._norm_groups_of = (block, groups)
+        return self._norm_groups_of[1]
 
     def prepare(self, model) -> None:
         self.model_type = model.config.model_type
