@@ -19,7 +19,7 @@ from __future__ import annotations
 import enum
 import logging
 from contextlib import AbstractContextManager
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from torch import nn
@@ -125,10 +125,24 @@ class InputStatistics:
         return out
 
 
-def _gram_step(width: int) -> int:
-    """Columns per block of `add_upper_gram_`: about 8 blocks (their products stay large enough to run at full
-    speed), none below 512 columns (there one product is as fast)."""
-    return width if width < 512 else max(256, -(-width // 8 + 63) // 64 * 64)
+# `_upper_blocks`: a triangle this wide or narrower is one square product (half of it wasted, but a smaller one runs
+# slower than the waste costs); wider ones split at a multiple of this many columns (whole vector registers).
+GRAM_LEAF, GRAM_ALIGN = 384, 64
+
+
+def _upper_blocks(first: int, width: int) -> Iterator[tuple[slice, slice]]:
+    """The blocks ``(rows, columns)`` covering the upper triangle of columns ``first .. first + width``: its two
+    halves' triangles and the square between them, recursively, down to `GRAM_LEAF` wide. The squares are the large
+    products, and the waste below the diagonal is the leaves' halves: 1536 wide, 5 windows of 512: 51 -> 46.5 ms
+    against 8 row panels from the diagonal (the same sums in another arrangement; 2560 wide 136 -> 116, 4096 wide
+    134 -> 118)."""
+    if width <= GRAM_LEAF:
+        yield slice(first, first + width), slice(first, first + width)
+        return
+    half = max(GRAM_ALIGN, (width // 2 + GRAM_ALIGN // 2) // GRAM_ALIGN * GRAM_ALIGN)
+    yield from _upper_blocks(first, half)
+    yield slice(first, first + half), slice(first + half, first + width)
+    yield from _upper_blocks(first + half, width - half)
 
 
 class GramScratch:
@@ -149,7 +163,7 @@ class GramScratch:
 
 def add_upper_gram_(total: torch.Tensor, x: torch.Tensor, scratch: GramScratch | None = None) -> None:
     """``total += Σ_w x_wᵀx_w`` over the windows ``x [windows, tokens, in]`` (or one, ``[tokens, in]``) on and above
-    the diagonal, a block of columns at a time: the Gram matrix is symmetric, so the blocks below are never
+    the diagonal, a block at a time (`_upper_blocks`): the Gram matrix is symmetric, so the blocks below are never
     multiplied or added, about half the work of the full product (collecting the Hessians is most of a GPTQ
     statistics pass). Read it with `symmetric_from_upper`. Each window's product is taken in ``x``'s dtype and added
     to ``total`` in window order, so every entry gets the same sums in the same order whether the windows come
@@ -158,12 +172,10 @@ def add_upper_gram_(total: torch.Tensor, x: torch.Tensor, scratch: GramScratch |
     ``scratch``: buffers kept between calls (the same sums, bit for bit)."""
     scratch = scratch or GramScratch()
     windows = x if x.dim() == 3 else x.unsqueeze(0)
-    width = windows.shape[-1]
-    step = _gram_step(width)
-    for i in range(0, width, step):
-        block = total[i : i + step, i:]
+    for rows, columns in _upper_blocks(0, windows.shape[-1]):
+        block = total[rows, columns]
         for window in windows:
-            product = torch.matmul(window[:, i : i + step].t(), window[:, i:], out=scratch.take(block.shape, x, x.dtype))
+            product = torch.matmul(window[:, rows].t(), window[:, columns], out=scratch.take(block.shape, x, x.dtype))
             if total.dtype != product.dtype:
                 product = scratch.take(product.shape, x, total.dtype).copy_(product)
             block.add_(product)

@@ -425,6 +425,21 @@ def test_upper_gram_is_the_full_product(width):
     assert torch.equal(gram, gram.t())
 
 
+@pytest.mark.parametrize("width", [1, 7, 384, 385, 1000, 1536, 2049, 14336])
+def test_upper_blocks_cover_the_upper_triangle_once(width):
+    """Every entry on or above the diagonal lies in exactly one block (none counted twice, none missed), and every
+    block lies within the matrix; what falls below the diagonal is the waste of the square leaves only."""
+    from compress.engine.statistics import GRAM_LEAF, _upper_blocks
+
+    counts = torch.zeros(width, width, dtype=torch.int32)
+    for rows, columns in _upper_blocks(0, width):
+        assert 0 <= rows.start < rows.stop <= width and 0 <= columns.start < columns.stop <= width
+        counts[rows, columns] += 1
+    assert torch.equal(counts.triu(), torch.ones(width, width, dtype=torch.int32).triu())
+    below = int(counts.tril(-1).sum())
+    assert below <= width * GRAM_LEAF // 2  # at most half of each leaf's square, the leaves tiling the diagonal
+
+
 @pytest.mark.parametrize("width", [7, 600, 1536])
 def test_upper_gram_of_stacked_windows_sums_each_windows_product_in_order(width):
     """Windows given stacked ``[windows, tokens, in]`` (the blocks of the total outside, the windows inside) add
