@@ -230,6 +230,9 @@ def ours(args, model: Path, out: Path) -> tuple[float, dict]:
 
 def _child(spec: dict) -> None:
     """`ours` in the fresh process: the run, timed by phase, its figures written to ``spec["report"]``."""
+    from compress.cli.collector import pause_collector, resuming_collector
+
+    pause_collector()  # as `compress.cli.app.main` does before the command's imports
     import torch
 
     from compress.cli.allocator import FRUGAL, recipe_policy, set_allocator
@@ -256,7 +259,7 @@ def _child(spec: dict) -> None:
     policy = recipe_policy(parsed) or FRUGAL  # what the command switches to once it has read its recipe
     set_allocator(policy)
     start = time.perf_counter()
-    run_recipe(parsed, window_chunks=policy.window_chunks)
+    run_recipe(parsed, resuming_collector(lambda phase, done, total: None), window_chunks=policy.window_chunks)  # as --json's
     run = time.perf_counter() - start
     device = torch.cuda.max_memory_allocated() / 1e9 if args.device == "cuda" else None
     Path(spec["report"]).write_text(json.dumps({"run": run, "seconds": dict(clock.seconds), "calls": dict(clock.calls),

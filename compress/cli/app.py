@@ -8,6 +8,7 @@ import typer
 
 from compress import __version__
 from compress.cli import allocator
+from compress.cli.collector import pause_collector, resume_collector
 from compress.cli.console import finish_process, install_signal_handlers, quiet_other_ranks, stdout
 
 app = typer.Typer(
@@ -49,10 +50,13 @@ _register_commands()
 def main() -> None:
     install_signal_handlers()  # the process is ours: SIGTERM stops a run as Ctrl-C does, cleaning up
     quiet_other_ranks()
+    pause_collector()  # until the run's first progress report: the start-up's imports (`compress.cli.collector`)
     code: int | str | None = 0
     try:
         app()
     except SystemExit as done:  # Typer ends every command, successful or not, with sys.exit
         code = done.code
+    finally:
+        resume_collector()  # a command that reported no progress (or main called in-process, as tests do)
     finish_process(code)  # a traceback (a bug) is not caught: it exits the usual way
 

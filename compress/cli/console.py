@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
+from compress.cli.collector import resuming_collector
 from compress.errors import CompressError
 
 console = Console(stderr=True)  # progress and tables; stdout stays clean for --json
@@ -110,9 +111,10 @@ def user_errors(fn: Callable) -> Callable:
 
 @contextlib.contextmanager
 def progress_bars(enabled: bool = True) -> Iterator[Callable[[str, int, int], None]]:
-    """A ``(phase, done, total)`` callback that drives one Rich progress bar per phase."""
+    """A ``(phase, done, total)`` callback that drives one Rich progress bar per phase; its first report ends the
+    start-up's pause of the garbage collector (`compress.cli.collector`)."""
     if not enabled:
-        yield lambda phase, done, total: None
+        yield resuming_collector(lambda phase, done, total: None)
         return
     progress = Progress(
         TextColumn("{task.description}"),
@@ -131,7 +133,7 @@ def progress_bars(enabled: bool = True) -> Iterator[Callable[[str, int, int], No
         progress.update(tasks[phase], completed=done, total=total)
 
     with progress:
-        yield update
+        yield resuming_collector(update)
 
 
 def human_bytes(n: float | None) -> str:
