@@ -105,10 +105,9 @@ class Engine:
         ``outer_weights``: parameters outside the blocks as the compressed model will hold them (a GGUF file's
         rounded embeddings), by name: the compressed model's block-0 inputs are captured with them, the
         uncompressed model's (asymmetric calibration) with the checkpoint's. ``window_chunks``: run the one pass's
-        windows in chunks taking turns on threads (`compress.engine.one_pass.window_chunks`), and the passes that run
-        batch by batch in batches of that size (`pass_batch`); it pays only where the process's allocator serves a
-        chunk's temporaries from one heap (`compress.cli.allocator.CALIBRATING`), and with glibc's own settings each
-        chunk's thread would get a heap of its own."""
+        windows in chunks taking turns (`compress.engine.one_pass.window_chunks`), and the passes that run batch by
+        batch in batches of that size (`pass_batch`); it pays only where the process's allocator serves a chunk's
+        temporaries from its heap, where the next chunk reuses them (`compress.cli.allocator.CALIBRATING`)."""
         self.outer_weights = outer_weights or {}
         self.window_chunks = window_chunks
         self.handle = handle

@@ -39,7 +39,7 @@ log = logging.getLogger(__name__)
 # output) stays within this: below the calibrating commands' mmap threshold (16 MiB, `compress.cli.allocator`), glibc
 # serves it from its heap, where the next chunk reuses the pages, instead of mapping and zero-filling fresh ones for each.
 CHUNK_BYTES = 15 << 20
-MAX_CHUNKS = 16  # threads, one per chunk (only one runs at a time); past this the chunks grow instead
+MAX_CHUNKS = 16  # greenlets, one per chunk, each holding its paused forward pass; past this the chunks grow instead
 
 
 def one_pass_bytes(layers: dict[str, nn.Module], windows: int, seq_len: int, element: int, heads: int = 0) -> int:

@@ -12,7 +12,6 @@
 from __future__ import annotations
 
 import collections
-import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -147,42 +146,46 @@ def run_solving(block: nn.Module, chunks: list, groups: list[dict[str, nn.Module
     where = {name: (k, j) for k, group in enumerate(groups) for j, name in enumerate(group)}
     arrived: list[list[torch.Tensor | None]] = [[None] * len(chunks) for _ in groups]  # each chunk's input of group k
     solved = [False] * len(groups)
-    local = threading.local()  # which chunk the calling thread runs, its turns, what it has fed and called
+    fed: list[dict[int, torch.Tensor]] = [{} for _ in chunks]  # each chunk's input of each group it has reached
+    called: list[set[str]] = [set() for _ in chunks]  # the layers each chunk has called
+    running: list = [None]  # the `Turns` the chunks take, which knows the chunk running now
 
     def hook_for(name: str):
         k, position = where[name]
 
         def hook(_module, args, kwargs):
-            x, chunk = layer_input(args, kwargs), local.chunk
-            if name in local.called or (position > 0 and local.fed.get(k) is not x):
+            turns = running[0]
+            x, chunk = layer_input(args, kwargs), turns.current
+            if name in called[chunk] or (position > 0 and fed[chunk].get(k) is not x):
                 raise CallsDiverged(f"{name} was called twice or not on its group's input")
-            local.called.add(name)
+            called[chunk].add(name)
             if position:
                 return
-            local.fed[k] = arrived[k][chunk] = x
+            fed[chunk][k] = arrived[k][chunk] = x
             if all(a is not None for a in arrived[k]):  # the last chunk to get here
                 solve(k, arrived[k])
                 solved[k], arrived[k] = True, []
             else:
-                local.turns.hand_over(chunk)
+                turns.hand_over(chunk)
                 if not solved[k]:  # every other chunk has finished without reaching the group
                     raise CallsDiverged(f"{name} was not called on every chunk of windows")
 
         return hook
 
     def run_chunk(turns, chunk: int) -> torch.Tensor:
-        local.chunk, local.turns, local.fed, local.called = chunk, turns, {}, set()
-        with torch.inference_mode():
-            h, args, kwargs = chunks[chunk]
-            out = block_output(block(h, *args, **kwargs))
-        if len(local.called) != len(where):
-            raise CallsDiverged(f"{sorted(set(where) - local.called)[0]} was never called")
+        running[0] = turns
+        h, args, kwargs = chunks[chunk]
+        out = block_output(block(h, *args, **kwargs))
+        if len(called[chunk]) != len(where):
+            raise CallsDiverged(f"{sorted(set(where) - called[chunk])[0]} was never called")
+        fed[chunk].clear()  # the chunk's group inputs, no longer needed
         return out
 
     handles = [module.register_forward_pre_hook(hook_for(name), with_kwargs=True)
                for group in groups for name, module in group.items()]
     try:
-        outputs = take_turns([run_chunk] * len(chunks))
+        with torch.inference_mode():  # around the turns, not inside a chunk: the chunks share the thread's modes
+            outputs = take_turns([run_chunk] * len(chunks))
     finally:
         for handle in handles:
             handle.remove()

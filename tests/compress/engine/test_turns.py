@@ -1,4 +1,4 @@
-"""`compress.engine.turns`: tasks on threads that run one at a time, handing over in turn order."""
+"""`compress.engine.turns`: tasks in greenlets that run one at a time on the calling thread, handing over in turn order."""
 
 from __future__ import annotations
 
@@ -29,12 +29,15 @@ def test_tasks_run_one_at_a_time_in_turn_order():
     assert log == [(0, 0), (1, 0), (2, 0), (0, 1), (2, 1), (0, 2)]
 
 
-def test_the_first_failure_is_raised_and_every_thread_ends():
-    threads = threading.active_count()
+def test_the_first_failure_is_raised_and_every_task_ends():
+    threads, unwound = threading.active_count(), []
 
     def waits_forever(turns, i):
-        while True:
-            turns.hand_over(i)
+        try:
+            while True:
+                turns.hand_over(i)
+        finally:
+            unwound.append(i)
 
     def fails(turns, i):
         turns.hand_over(i)
@@ -42,8 +45,26 @@ def test_the_first_failure_is_raised_and_every_thread_ends():
 
     with pytest.raises(LookupError, match="2"):
         take_turns([waits_forever, waits_forever, fails, waits_forever])
+    assert sorted(unwound) == [0, 1, 3]  # each suspended task was unwound (its finally ran) before the error came out
     assert threading.active_count() == threads
 
 
-def test_one_task_runs_on_the_calling_thread():
-    assert take_turns([lambda turns, i: threading.current_thread() is threading.main_thread()]) == [True]
+def test_every_task_runs_on_the_calling_thread_and_knows_its_turn():
+    def task(turns, i):
+        seen = [(turns.current, threading.current_thread() is threading.main_thread())]
+        turns.hand_over(i)
+        return seen + [(turns.current, threading.current_thread() is threading.main_thread())]
+
+    assert take_turns([task, task, task]) == [[(i, True), (i, True)] for i in range(3)]
+
+
+def test_a_task_that_hands_over_last_runs_on():
+    def first(turns, i):
+        return "first"
+
+    def second(turns, i):
+        turns.hand_over(i)  # the first has finished: nobody to hand over to
+        turns.hand_over(i)
+        return "second"
+
+    assert take_turns([first, second]) == ["first", "second"]
