@@ -338,11 +338,12 @@ class Engine:
             self.outcomes.keep(method, part)
         return reports
 
-    def _one_pass(self, index: int, inputs: Activations) -> tuple[list[LayerReport], Activations] | None:
-        """Block ``index`` compressed in the pass that propagates its inputs: its reports and outputs; None where
-        that cannot be (batches not captured as one, layers called other than once). Should the block call its
-        layers otherwise than its structure's first block, its weights are read again and None returned: the
-        caller compresses it pass by pass."""
+    def _one_pass(self, index: int, inputs: Activations, wanted: bool = True) -> tuple[list[LayerReport], Activations] | None:
+        """Block ``index`` compressed in the pass that propagates its inputs: its reports and outputs (none unless
+        ``wanted``: the pass then ends with the last group's solve); None where that cannot be (batches not
+        captured as one, layers called other than once). Should the block call its layers otherwise than its
+        structure's first block, its weights are read again and None returned: the caller compresses it pass by
+        pass."""
         stage, block, block_name = self._one_pass_stage, self.handle.blocks[index], self._block_names[index]
         layers = {n: m for n, m in stage.layers.items() if n.startswith(block_name + ".")} if stage else {}
         if not layers or len(inputs) != 1:
@@ -372,14 +373,15 @@ class Engine:
         needs_of = functools.partial(self._group_needs, stage)
         solve_group = functools.partial(self._solve_group, stage, block, block_name, routing={}, inputs=inputs)
         try:
-            reports, hidden = solve_while_propagating(block, chunks, order, needs_of, solve_group, prologues)
+            reports, hidden = solve_while_propagating(block, chunks, order, needs_of, solve_group, prologues, through=wanted)
             reports = earlier + reports
         except CallsDiverged as exc:  # (the earlier stages run again on the weights read again)
             log.warning("%s: compressing pass by pass (%s)", block_name, exc)
             self.handle.materialize(block, block_name, self.device, self.dtype)
             return None
         outputs = self.new_activations()
-        outputs.append(hidden, *inputs[0][1:])
+        if hidden is not None:
+            outputs.append(hidden, *inputs[0][1:])
         return reports, outputs
 
     def _fused(self, stages: list[Stage], block: nn.Module, block_name: str):
@@ -471,7 +473,8 @@ class Engine:
         for i in range(first, len(blocks)):
             block, name = blocks[i], self._block_names[i]
             original = self.handle.materialize(block, name, self.device, self.dtype)
-            solved = self._one_pass(i, inputs)
+            wanted = i + 1 < len(blocks) or self.keep_final_hidden or self.observer is not None  # its outputs
+            solved = self._one_pass(i, inputs, wanted)
             if solved is not None:  # compressed while propagating
                 result.layers += solved[0]
                 inputs.close()
@@ -480,7 +483,6 @@ class Engine:
                 result.layers += self._compress_block(i, inputs)
             if self.reference is not None and (i + 1 < len(blocks) or self.keep_final_hidden):
                 self.reference.advance()
-            wanted = i + 1 < len(blocks) or self.keep_final_hidden or self.observer is not None
             if solved is None and self.needs_data and wanted:  # the next block's inputs
                 with self.observer.watch(name, block) if self.observer is not None else nullcontext():
                     inputs = self._propagate(block, inputs)

@@ -82,11 +82,12 @@ def one_pass_batch(layers: dict[str, nn.Module], windows: torch.Tensor, config, 
 def solve_while_propagating(block: nn.Module, chunks: list, order: CallOrder,
                             needs_of: Callable[[dict], frozenset[Stat]],
                             solve_group: Callable[[dict, StatsCollector], list],
-                            prologues: list[Prologue] = ()) -> tuple[list, torch.Tensor]:
+                            prologues: list[Prologue] = (), through: bool = True) -> tuple[list, torch.Tensor | None]:
     """``block`` run once on every window (``chunks`` of ``(hidden, args, kwargs)`` batches, `window_chunks`), each of
     ``order``'s groups transformed by ``solve_group(group, collector)`` from the statistics of the input it is about
     to be fed (``needs_of(group)``), and before them each `Prologue`'s, just before its producer runs: the reports
-    and the compressed block's output. Raises `CallsDiverged` as `run_solving` does."""
+    and the compressed block's output (None with ``through`` False: the windows stop once the last group is
+    transformed, where nothing reads the block's output). Raises `CallsDiverged` as `run_solving` does."""
     reports: list = []
 
     def solve(k: int, xs: list[torch.Tensor]) -> None:
@@ -111,7 +112,7 @@ def solve_while_propagating(block: nn.Module, chunks: list, order: CallOrder,
                 steps.append(functools.partial(produce, prologue))
         groups.append(group)
         steps.append(functools.partial(solve, k))
-    return reports, run_solving(block, chunks, groups, lambda k, xs: steps[k](xs))
+    return reports, run_solving(block, chunks, groups, lambda k, xs: steps[k](xs), through)
 
 
 @dataclass

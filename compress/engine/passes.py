@@ -134,7 +134,7 @@ def inputs_of(block: nn.Module, batch, layers: dict[str, nn.Module]) -> dict[str
 
 
 def run_solving(block: nn.Module, chunks: list, groups: list[dict[str, nn.Module]],
-                solve: Callable[[int, list[torch.Tensor]], None]) -> torch.Tensor:
+                solve: Callable[[int, list[torch.Tensor]], None], through: bool = True) -> torch.Tensor | None:
     """``block``'s output on the calibration windows, given as ``chunks`` of ``(hidden, args, kwargs)`` batches, each
     of ``groups`` (a `CallOrder`'s, every layer called once) transformed by ``solve(k, xs)`` just before its first
     layer runs, ``xs`` the input each chunk is about to feed the group, in order. Each group's input is then computed
@@ -142,6 +142,8 @@ def run_solving(block: nn.Module, chunks: list, groups: list[dict[str, nn.Module
     (`run_until_called`), and the output (the chunks' outputs joined) is the transformed block's (the propagation):
     one forward pass where the passes cost about 2 and propagation 1. Several chunks take turns
     (`compress.engine.turns`): each runs until it reaches a group and hands over; the last to arrive solves the group.
+    With ``through`` False nothing reads the output (the last block): each chunk stops as the last group is
+    transformed, before it runs (the last block's down projection on every window), and None is returned.
     Raises `CallsDiverged` when a layer is not fed its group's input, called twice or never."""
     where = {name: (k, j) for k, group in enumerate(groups) for j, name in enumerate(group)}
     arrived: list[list[torch.Tensor | None]] = [[None] * len(chunks) for _ in groups]  # each chunk's input of group k
@@ -169,13 +171,18 @@ def run_solving(block: nn.Module, chunks: list, groups: list[dict[str, nn.Module
                 turns.hand_over(chunk)
                 if not solved[k]:  # every other chunk has finished without reaching the group
                     raise CallsDiverged(f"{name} was not called on every chunk of windows")
+            if not through and k == len(groups) - 1:
+                raise StopForward
 
         return hook
 
     def run_chunk(turns, chunk: int) -> torch.Tensor:
         running[0] = turns
         h, args, kwargs = chunks[chunk]
-        out = block_output(block(h, *args, **kwargs))
+        try:
+            out = block_output(block(h, *args, **kwargs))
+        except StopForward:
+            return None
         if len(called[chunk]) != len(where):
             raise CallsDiverged(f"{sorted(set(where) - called[chunk])[0]} was never called")
         fed[chunk].clear()  # the chunk's group inputs, no longer needed
@@ -189,6 +196,8 @@ def run_solving(block: nn.Module, chunks: list, groups: list[dict[str, nn.Module
     finally:
         for handle in handles:
             handle.remove()
+    if not through:
+        return None
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
 
 

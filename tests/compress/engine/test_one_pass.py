@@ -66,6 +66,28 @@ def test_each_group_is_solved_on_the_input_it_is_about_to_get(chunks):
     assert torch.equal(a_w, a_w.round()) and torch.equal(b_w, b_w.round())
 
 
+def test_without_a_reader_of_the_output_the_chunks_stop_as_the_last_group_is_solved():
+    """``through=False`` (the last block): every group is solved on the same inputs as with the output, and then no
+    chunk runs the last group (b) at all."""
+    x, runs = torch.randn(3, 2, 4), {}
+    for through in (True, False):
+        toy, calls, seen = Toy(), Counter(), {}
+        toy.b.register_forward_hook(lambda *_: calls.update(["b"]))
+        groups = [{"a": toy.a}, {"b": toy.b}]
+
+        def solve(k, inputs):
+            seen[k] = torch.cat(inputs).clone()
+            next(iter(groups[k].values())).weight.data.mul_(0.5)
+
+        out = run_solving(toy, [(x[:1], (), {}), (x[1:], (), {})], groups, solve, through=through)
+        runs[through] = (out, dict(calls), seen, toy.b.weight.detach().clone())
+    assert runs[True][1] == {"b": 2} and runs[False][1] == {}  # b ran on both chunks, or on neither
+    assert runs[False][0] is None and runs[True][0].shape == x.shape
+    for k in (0, 1):
+        assert torch.equal(runs[True][2][k], runs[False][2][k])
+    assert torch.equal(runs[True][3], runs[False][3])
+
+
 def test_a_layer_fed_another_input_than_its_group_is_refused():
     toy = Toy()
     with pytest.raises(CallsDiverged, match="b"):
@@ -134,8 +156,8 @@ def test_one_pass_in_chunks_writes_what_one_batch_writes(tmp_path, monkeypatch):
     calibration = torch.randint(0, VOCAB, (5, 24), generator=torch.Generator().manual_seed(1))
     chunked = []
     monkeypatch.setattr(one_pass, "CHUNK_BYTES", 1)  # a window each
-    monkeypatch.setattr(block_engine, "solve_while_propagating", lambda block, chunks, *a, solve=block_engine.solve_while_propagating: (
-        chunked.append(len(chunks)), solve(block, chunks, *a))[1])
+    monkeypatch.setattr(block_engine, "solve_while_propagating", lambda block, chunks, *a, solve=block_engine.solve_while_propagating, **k: (
+        chunked.append(len(chunks)), solve(block, chunks, *a, **k))[1])
     run_engine(model_dir, tmp_path / "chunks", _gptq(), calibration, batch_size=8, window_chunks=True)
     monkeypatch.setattr(one_pass, "CHUNK_BYTES", 1 << 30)
     run_engine(model_dir, tmp_path / "one", _gptq(), calibration, batch_size=8, window_chunks=True)
@@ -163,8 +185,8 @@ def test_a_last_stage_rides_the_pass_after_the_stages_before_it(tmp_path, monkey
 
     model_dir = save_random_model(tiny_llama_config(len(tiny_tokenizer)), tmp_path / "in", tiny_tokenizer)
     passes = []
-    monkeypatch.setattr(block_engine, "solve_while_propagating", lambda *a, solve=block_engine.solve_while_propagating: (
-        passes.append(1), solve(*a))[1])
+    monkeypatch.setattr(block_engine, "solve_while_propagating", lambda *a, solve=block_engine.solve_while_propagating, **k: (
+        passes.append(1), solve(*a, **k))[1])
     outputs = {}
     for name, memory in [("one", None), ("passes", 1)]:
         calibration = {"path": CALIB_TEXT, "samples": 6, "seq_len": 24, "batch_size": 2, **({"activation_memory": memory} if memory else {})}
