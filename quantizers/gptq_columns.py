@@ -22,7 +22,7 @@ import torch
 from compress.quantizers.native import columns_library
 from compress.quantizers.threads import one_thread, one_thread_workers
 
-RUNS_PER_THREAD = 4
+RUNS_PER_THREAD = 4  # runs of rows per thread of a `RowSplit`, taken in turn: a thread that starts late takes fewer
 MIN_ROWS = 256  # rows per thread of the compiled loop below which one thread does it all (a hand-off costs ~10 µs)
 
 

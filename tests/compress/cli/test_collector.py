@@ -6,11 +6,9 @@ import gc
 import json
 import subprocess
 import sys
-from pathlib import Path
 
 from compress.cli.collector import pause_collector, resuming_collector
-
-REFERENCE = Path(__file__).resolve().parents[2] / ".." / "eval" / "assets" / "reference-llama"
+from conftest import REFERENCE_MODEL
 
 # The `compress` command in a fresh interpreter, with the collector's state recorded where the run starts and where
 # the process ends (the run itself is the command's own).
@@ -62,7 +60,7 @@ def test_the_first_report_turns_the_collector_back_on_with_the_start_up_frozen()
 
 
 def test_a_run_starts_with_the_collector_paused_and_ends_with_it_on(tmp_path):
-    seen = _command("quantize", str(REFERENCE.resolve()), "-o", str(tmp_path / "out"), "--method", "rtn", "--json")
+    seen = _command("quantize", str(REFERENCE_MODEL.resolve()), "-o", str(tmp_path / "out"), "--method", "rtn", "--json")
     assert seen["code"] in (0, None)
     assert seen["enabled when the run starts"] is False  # the imports and the model's loading ran without it
     assert seen["enabled when the run ends"] is True and seen["frozen"] > 0  # its first progress report resumed it
