@@ -8,7 +8,7 @@
    the block run on the original model's inputs, `compress.engine.reference`), then let the method transform the block;
    recompute the block's outputs with the transformed weights, which become the next block's inputs;
    write the block to the output and release it.
-3. Copy (or, for methods needing no statistics, transform) the tensors outside the blocks.
+3. Copy (or, for methods needing no statistics, transform) the tensors outside the blocks (`compress.engine.outer`).
 
 True-sequential layer-by-layer methods (GPTQ, SparseGPT) collect statistics, solve and propagate in one forward
 pass where the calibration windows fit in one batch (`compress.engine.one_pass`).
@@ -34,41 +34,30 @@ from torch import nn
 
 from compress.checkpoints.experts import routing_modules
 from compress.checkpoints.shards import ShardedWriter
-from compress.errors import CompressError
 from compress.formats.base import PackedLayer, PackFormat
 from compress.engine.journal import BlockJournal
 from compress.engine.methods.base import LayerReport, Method
 from compress.engine.ranks import Ranks, Replay, solve_on_owners
 from compress.engine.activations import Activations
+from compress.engine.checks import check_calibration, check_stages
 from compress.engine.outcomes import LayerOutcomes
+from compress.engine.outer import write_outer
 from compress.engine.passes import (
-    CallOrder, CallsDiverged, InputCatcher, StopForward, call_order, propagate, run_block, run_until_called, split_hidden,
+    CallOrder, CallsDiverged, call_order, capture_block_inputs, propagate, run_block, run_until_called,
 )
-from compress.checkpoints.model_io import ModelHandle, get_weight
+from compress.checkpoints.model_io import ModelHandle
 from compress.engine.one_pass import (
     Prologue, first_group_reading, first_window, fused_stages, memory_for_one_pass, one_pass_batch, one_pass_capable,
     solve_while_propagating, window_chunks, windows_of, windows_per_chunk,
 )
 from compress.engine.reference import ReferenceStream
 from compress.engine.stages import BlockObserver, EngineResult, Stage  # noqa: F401 - imported from here too
-from compress.engine.statistics import Stat, StatsCollector, collect_statistics
+from compress.engine.statistics import Stat, StatsCollector, collect_statistics, expert_tokens
 
 log = logging.getLogger(__name__)
 
 ProgressFn = Callable[[str, int, int], None]  # (phase, done, total)
 LayerFn = Callable[[LayerReport], None]  # called as each layer is finished
-
-
-def _expert_tokens(block_name: str, routing: dict, collector: StatsCollector) -> dict[str, dict[str, int]]:
-    """Per expert layer of the pass that collected its statistics: the tokens the router sent to its
-    expert, and the tokens its statistics saw (all of them when every expert calibrates on every token)."""
-    counts = {}
-    for prefix, module in routing.items():
-        for relative, routed in module.routed_tokens().items():
-            name = f"{block_name}.{prefix}.{relative}" if prefix else f"{block_name}.{relative}"
-            if name in collector.stats:
-                counts[name] = {"routed_tokens": routed, "calibration_tokens": collector.stats[name].count}
-    return counts
 
 
 def peak_rss_bytes() -> int:
@@ -186,46 +175,12 @@ class Engine:
 
     def check_calibration(self, calibration: torch.Tensor | None) -> None:
         """The calibration windows are there when a method or the observer needs them, and enough for the ranks."""
-        if self.needs_data and calibration is None:
-            names = [s.method.name for s in self.stages if any(m.needs for m in s.methods())]
-            who = f"method {', '.join(names)}" if names else self.observer.name
-            raise CompressError(f"{who} needs calibration data: pass --calib PATH")
-        if self.needs_data and calibration.shape[0] < self.ranks.world:
-            raise CompressError(
-                f"{calibration.shape[0]} calibration windows cannot be shared by {self.ranks.world} processes: "
-                f"use at least {self.ranks.world} samples or fewer processes"
-            )
+        check_calibration(calibration, self.stages, self.observer, self.ranks.world)
 
     def check_stages(self) -> None:
         """Validate every stage against every selected layer (what needs no calibration data: callers run it
         before tokenizing a calibration set)."""
-        for stage in self.stages:
-            if not stage.layers:
-                raise CompressError(f"method {stage.method.name} selects no layers: check the include/exclude patterns")
-            for method in stage.methods():
-                method.prepare(self.handle.model)
-            for name, module in stage.layers.items():
-                out_features, in_features = get_weight(module).shape
-                stage.method_for(name).check_layer(name, out_features, in_features)
-            if any(method.needs for method in stage.methods()):
-                outside = [n for n in stage.layers if not n.startswith(self._in_blocks)]
-                if outside:
-                    raise CompressError(
-                        f"method {stage.method.name} needs calibration statistics, collected inside decoder blocks "
-                        f"only; exclude {outside[0]}"
-                    )
-        for index, stage in enumerate(self.stages):
-            earlier = [s for s in self.stages[:index] if set(s.layers) & set(stage.layers)]
-            if earlier and any(Stat.INPUT_DRIFT in m.needs for m in stage.methods()):
-                # the drift compares with the checkpoint's layer; an earlier stage's rescaled layer computes the same
-                # outputs from other inputs, which the asymmetric target would not know
-                raise CompressError(
-                    f"asymmetric {stage.method.name} after {earlier[0].method.name} on the same layers is not supported: "
-                    "drop asymmetric, or run it alone"
-                )
-        if self.needs_reference and not self.all_experts and routing_modules(self.handle.model):
-            raise CompressError("asymmetric calibration compares each expert's inputs token by token: "
-                                "calibrate every expert on every token (drop all_experts: false), or drop asymmetric")
+        check_stages(self.stages, self.handle, self._in_blocks, self.all_experts)
 
     # -- 1. inputs of block 0 -------------------------------------------------------------------
     def new_activations(self) -> Activations:
@@ -235,29 +190,9 @@ class Engine:
     def capture_inputs(self, calibration: torch.Tensor, weights: dict[str, torch.Tensor] | None = None) -> Activations:
         """Block 0's inputs for the ``calibration`` windows; ``weights``: parameters (full names) replacing the
         checkpoint's."""
-        handle, base = self.handle, self.handle.base_model
-        outer = set(handle.non_block_parameters(base))
-        # Materialize the base model's weights outside the blocks (embeddings, positions, norms).
-        handle.materialize(base, handle.base_prefix, self.device, self.dtype, only=outer)
-        for name, tensor in (weights or {}).items():
-            handle.model.get_parameter(name).data = tensor.to(self.device, self.dtype)
-        catcher = InputCatcher(handle.blocks[0])
-        handle.blocks[0] = catcher
         inputs = self.new_activations()
         batches = calibration.split(self.capture_batch(calibration))
-        try:
-            with torch.inference_mode():
-                for i, batch in enumerate(batches):
-                    try:
-                        base(input_ids=batch.to(self.device), use_cache=False)
-                    except StopForward:
-                        pass
-                    args, kwargs = catcher.calls.pop()
-                    inputs.append(*split_hidden(args, kwargs))
-                    self.progress("calibration", i + 1, len(batches))
-        finally:
-            handle.blocks[0] = catcher.inner
-            handle.release(base, only=outer)
+        capture_block_inputs(self.handle, batches, self.device, self.dtype, weights or {}, inputs.append, self.progress)
         return inputs
 
     # -- 2. blocks --------------------------------------------------------------------------------
@@ -301,31 +236,21 @@ class Engine:
             for group in order.groups if sequential else [layers]:
                 for earlier, _, _, readers in fused[1] if fused is not None else []:
                     if group is first_group_reading(order.groups, readers):  # a statistics pass up to the readers
-                        needs = self._readers_needs(earlier, block, block_name, readers)
+                        needs = earlier.readers_needs(block, block_name, readers)
                         collector = self._collect(block, inputs, readers, needs, routing, [list(readers)])
                         reports += self._solve_group(earlier, block, block_name, readers, collector, routing, inputs)
-                read = self._layers_read(stage, block, block_name, group)
-                needs = self._group_needs(stage, read)
+                read = stage.layers_read(block, block_name, group)
+                needs = stage.needs_of(read)
                 collector = self._collect(block, inputs, read, needs, routing, order.same_input if needs else [])
                 reports += self._solve_group(stage, block, block_name, group, collector, routing, inputs)
         return reports
-
-    @staticmethod
-    def _group_needs(stage: Stage, group: dict[str, nn.Module]) -> frozenset[Stat]:
-        return frozenset().union(*(stage.method_for(name).needs for name in group))
-
-    @staticmethod
-    def _layers_read(stage: Stage, block: nn.Module, block_name: str, group: dict[str, nn.Module]) -> dict[str, nn.Module]:
-        """The layers of ``group`` whose inputs the statistics pass reads (`Method.layer_needs`)."""
-        return {name: module for name, module in group.items()
-                if stage.method_for(name).layer_needs(block, name[len(block_name) + 1 :])}
 
     def _solve_group(self, stage: Stage, block: nn.Module, block_name: str, group: dict[str, nn.Module],
                      collector: StatsCollector, routing: dict, inputs) -> list[LayerReport]:
         """Transform ``group``'s layers from the statistics ``collector`` holds (this rank's; combined here)."""
         collector.combine(self.ranks)
         stats = collector.results()
-        tokens = self._expert_tokens(block_name, routing, collector) if collector.needs else {}
+        tokens = expert_tokens(block_name, routing, collector, self.ranks) if collector.needs else {}
         replay = Replay(lambda: self._run_block(block, inputs), self.ranks)  # methods that measure outputs
         reports = []
         for method, part in stage.split(group):
@@ -370,7 +295,7 @@ class Engine:
             prologues = [Prologue(name, module, readers, functools.partial(
                 self._solve_produced, earlier_stage, block, block_name, readers, inputs))
                 for earlier_stage, name, module, readers in fused[1]]
-        needs_of = functools.partial(self._group_needs, stage)
+        needs_of = stage.needs_of
         solve_group = functools.partial(self._solve_group, stage, block, block_name, routing={}, inputs=inputs)
         try:
             reports, hidden = solve_while_propagating(block, chunks, order, needs_of, solve_group, prologues, through=wanted)
@@ -397,26 +322,14 @@ class Engine:
         return [report for stage, part in parts for report in
                 self._solve_group(stage, block, block_name, part, StatsCollector(part, frozenset()), {}, inputs)]
 
-    @staticmethod
-    def _readers_needs(stage: Stage, block: nn.Module, block_name: str, readers: dict[str, nn.Module]) -> frozenset[Stat]:
-        return frozenset().union(*(stage.method.layer_needs(block, n[len(block_name) + 1 :]) for n in readers))
-
     def _solve_produced(self, stage: Stage, block: nn.Module, block_name: str, readers: dict[str, nn.Module], inputs,
                         outputs: list[torch.Tensor]) -> list[LayerReport]:
         """An earlier stage's group inside the one pass (`one_pass.Prologue`), from its producer's ``outputs``."""
-        collector = StatsCollector(readers, self._readers_needs(stage, block, block_name, readers), [list(readers)])
+        collector = StatsCollector(readers, stage.readers_needs(block, block_name, readers), [list(readers)])
         for y in outputs:  # the chunks in order; every reader is fed the very same tensor
             for name in readers:
                 collector.feed(name, y)
         return self._solve_group(stage, block, block_name, readers, collector, {}, inputs)
-
-    def _expert_tokens(self, block_name: str, routing: dict, collector: StatsCollector) -> dict[str, dict[str, int]]:
-        counts = _expert_tokens(block_name, routing, collector)
-        if counts and self.ranks.world > 1:  # routed tokens over every rank's share (the statistics' counts already are)
-            routed = self.ranks.sum_floats(*(c["routed_tokens"] for c in counts.values()))
-            for c, total in zip(counts.values(), routed):
-                c["routed_tokens"] = int(total)
-        return counts
 
     @staticmethod
     def _solve(method: Method, block: nn.Module, layers: dict[str, nn.Module], stats, replay) -> list[LayerReport]:
@@ -508,30 +421,6 @@ class Engine:
             result.peak_device_bytes = torch.cuda.max_memory_allocated(self.device)
         return result
 
-    # -- 3. everything outside the blocks ---------------------------------------------------------
     def _write_outer(self, writer: ShardedWriter) -> list[LayerReport]:
-        handle, reports = self.handle, []
-        outer_layers = {
-            f"{name}.weight": (stage.method_for(name), name, module)
-            for stage in self.stages
-            for name, module in stage.layers.items()
-            if not name.startswith(self._in_blocks)
-        }
-        tied = handle.tied_parameter_names()
-        for name, _ in handle.model.named_parameters(remove_duplicate=False):
-            if name.startswith(self._in_blocks) or name in tied:
-                continue  # blocks are written as they finish; tied copies are re-tied at load
-            if name in outer_layers:  # only methods without statistics get here (see `check`)
-                method, layer_name, module = outer_layers[name]
-                stored = handle.materialize(module, layer_name, self.device, self.dtype, only={"weight"})
-                for report in method.transform_block(module, {layer_name: module}, {}):
-                    self.on_layer(report)
-                    reports.append(report)
-                self.outcomes.keep(method, {layer_name: module})
-                tensors = self.outcomes.packed_tensors(layer_name, module, stored["weight"])
-                for suffix, t in (tensors or {"weight": module.weight.detach().to(stored["weight"])}).items():
-                    writer.add(f"{layer_name}.{suffix}", t)
-                handle.release(module, only={"weight"})
-            else:
-                writer.add(name, handle.reader.get(handle.checkpoint_key(name)))
-        return reports
+        return write_outer(self.handle, self.stages, self._in_blocks, self.outcomes, writer, self.device, self.dtype,
+                           self.on_layer)

@@ -1,6 +1,7 @@
 """The forward passes the engine runs a decoder block through, and what they learn on the way.
 
-- `InputCatcher` stands in for block 0 and stops the model's forward pass there: block 0's inputs.
+- `capture_block_inputs`: block 0's inputs, with `InputCatcher` standing in for block 0 to stop the model's
+  forward pass there.
 - `run_block`: the block's outputs on every calibration batch (propagation, and methods' replays).
 - `run_until_called`: a statistics pass that stops once the layers it collects for have run; `inputs_of`: the
   inputs a batch feeds some layers, from such a pass.
@@ -53,6 +54,33 @@ def split_hidden(args: tuple, kwargs: dict) -> tuple[torch.Tensor, tuple, dict]:
         return args[0], args[1:], kwargs
     kwargs = dict(kwargs)
     return kwargs.pop("hidden_states"), (), kwargs
+
+
+def capture_block_inputs(handle, batches: list[torch.Tensor], device: torch.device, dtype: torch.dtype,
+                         weights: dict[str, torch.Tensor], append: Callable, progress: Callable) -> None:
+    """Block 0's inputs for each batch of windows' token ids, handed to ``append(hidden, args, kwargs)``: the model's
+    base (of the `ModelHandle` ``handle``) runs with only its weights outside the blocks materialized, ``weights``
+    (full names) replacing the checkpoint's, and stops at block 0 (`InputCatcher`)."""
+    base = handle.base_model
+    outer = set(handle.non_block_parameters(base))
+    handle.materialize(base, handle.base_prefix, device, dtype, only=outer)  # embeddings, positions, norms
+    for name, tensor in weights.items():
+        handle.model.get_parameter(name).data = tensor.to(device, dtype)
+    catcher = InputCatcher(handle.blocks[0])
+    handle.blocks[0] = catcher
+    try:
+        with torch.inference_mode():
+            for i, batch in enumerate(batches):
+                try:
+                    base(input_ids=batch.to(device), use_cache=False)
+                except StopForward:
+                    pass
+                args, kwargs = catcher.calls.pop()
+                append(*split_hidden(args, kwargs))
+                progress("calibration", i + 1, len(batches))
+    finally:
+        handle.blocks[0] = catcher.inner
+        handle.release(base, only=outer)
 
 
 def layer_input(args: tuple, kwargs: dict) -> torch.Tensor:

@@ -51,6 +51,20 @@ class Stage:
             parts.setdefault(id(method), (method, {}))[1][name] = module
         return list(parts.values())
 
+    def needs_of(self, group: dict[str, nn.Module]) -> frozenset:
+        """The statistics (`Stat`) ``group``'s layers need, each layer by the instance that transforms it."""
+        return frozenset().union(*(self.method_for(name).needs for name in group))
+
+    def layers_read(self, block: nn.Module, block_name: str, group: dict[str, nn.Module]) -> dict[str, nn.Module]:
+        """The layers of ``group`` whose inputs a statistics pass reads (`Method.layer_needs`)."""
+        return {name: module for name, module in group.items()
+                if self.method_for(name).layer_needs(block, name[len(block_name) + 1 :])}
+
+    def readers_needs(self, block: nn.Module, block_name: str, readers: dict[str, nn.Module]) -> frozenset:
+        """What the stage's method reads of ``readers``' inputs (`Method.layer_needs`), where it runs inside a
+        later stage's pass (`compress.engine.one_pass.fused_stages`)."""
+        return frozenset().union(*(self.method.layer_needs(block, n[len(block_name) + 1 :]) for n in readers))
+
 
 @dataclass
 class EngineResult:

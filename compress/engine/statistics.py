@@ -359,3 +359,19 @@ class CallRecorder(AbstractContextManager):
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+
+def expert_tokens(block_name: str, routing: dict, collector: StatsCollector, ranks) -> dict[str, dict[str, int]]:
+    """Per expert layer of the pass that collected ``collector``'s statistics: the tokens the router sent to its
+    expert over every rank's share, and the tokens its statistics saw (all of them when every expert calibrates on
+    every token). ``routing``: the block's routing modules by relative name."""
+    counts = {}
+    for prefix, module in routing.items():
+        for relative, routed in module.routed_tokens().items():
+            name = f"{block_name}.{prefix}.{relative}" if prefix else f"{block_name}.{relative}"
+            if name in collector.stats:
+                counts[name] = {"routed_tokens": routed, "calibration_tokens": collector.stats[name].count}
+    if counts and ranks.world > 1:  # the statistics' counts are over every rank already
+        for c, total in zip(counts.values(), ranks.sum_floats(*(c["routed_tokens"] for c in counts.values()))):
+            c["routed_tokens"] = int(total)
+    return counts
