@@ -10,7 +10,7 @@ import typer
 from rich.table import Table
 
 from compress.cli.console import console, human_bytes, key_value_table, layer_line, print_json, progress_bars, user_errors
-from compress.cli.options import CALIB_OPT, DEVICE_OPT, EXCLUDE_OPT, JSON_OPT, MODEL_ARG, SAMPLES_OPT, SEQ_LEN_OPT
+from compress.cli.options import DEVICE_OPT, EXCLUDE_OPT, JSON_OPT, MODEL_ARG, SAMPLES_OPT, SEQ_LEN_OPT
 
 TARGET_BPW_OPT = typer.Option(None, "--target-bpw", help="Plan: bits per weight of the planned layers (scales included).")
 TARGET_SIZE_OPT = typer.Option(None, "--target-size", help="Plan: total size, e.g. 2.1GB or 900MiB (what is not planned included).")

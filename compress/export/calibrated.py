@@ -40,7 +40,8 @@ from compress.engine.block_engine import Engine, Stage
 from compress.engine.ranks import Ranks
 from compress.errors import CompressError
 from compress.checkpoints.loading import load_tokenizer, resolve_device
-from compress.export.gguf import ExportConfig, ExportResult, GGUFMethod, _tensor_plan, check_importance, check_output, export_gguf
+from compress.export.gguf import ExportConfig, ExportResult, GGUFMethod, check_importance, check_output, export_gguf
+from compress.export.gguf_tensors import tensor_plan
 from compress.export.gguf_arch import read_config
 from compress.formats.gguf.grids import is_block_quantized
 from compress.formats.gguf.sizes import GGMLType
@@ -103,7 +104,7 @@ def _rounded_embeddings(handle, stored: dict[str, GGMLType]) -> dict[str, torch.
 def layer_types(model: Path, config: ExportConfig) -> dict[str, GGMLType]:
     """Checkpoint (on-disk) linear layer name -> its GGML type, for the block-quantized weights of the export
     plan (each expert of a stacked MoE tensor too)."""
-    plan = _tensor_plan(CheckpointReader(model), read_config(model), config.target, config.has_imatrix, config.types)
+    plan = tensor_plan(CheckpointReader(model), read_config(model), config.target, config.has_imatrix, config.types)
     check_importance(plan, config)  # AWQ alone ends in ggml's plain rounding: refused here, before calibrating
     unsolvable = sorted({e.kind.name for e in plan if len(e.shape) >= 2 and not is_block_quantized(e.kind) and e.kind not in FLOAT_TYPES})
     if unsolvable:

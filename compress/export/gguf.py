@@ -38,7 +38,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
-from typing import Callable, Mapping, NamedTuple
+from typing import Callable, Mapping
 
 import numpy as np
 import torch
@@ -51,8 +51,9 @@ from compress.checkpoints.output import OutputLock, check_outside_input, disk_er
 from compress.checkpoints.shards import CheckpointReader
 from compress.errors import CompressError
 from compress.export.encoding_pool import Pending, export_encoder, read_ahead
+from compress.export.gguf_tensors import PlannedTensor, gqa, is_transposed, tensor_plan
 from compress.export.gguf_arch import (
-    ARCHITECTURES, NORM_SHIFT, PERMUTED_ARCHS, TRANSPOSED_ARCHS, add_metadata, expert_count, read_config,
+    ARCHITECTURES, NORM_SHIFT, PERMUTED_ARCHS, add_metadata, expert_count, read_config,
 )
 from compress.formats.gguf import plan
 from compress.formats.gguf.imatrix import read_imatrix
@@ -150,76 +151,6 @@ class ExportResult:
 def permute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
     """HF rotate-half row order -> GGML interleaved pairs, per head (llama.cpp ``LlamaModel.permute``)."""
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
-
-
-def _shape(reader: CheckpointReader, name: str) -> list[int]:
-    # safetensors headers give shapes without reading data; other formats read the tensor
-    entry = getattr(reader, "_entries", {}).get(name)
-    return list(entry[1]["shape"]) if entry else list(reader.get(name).shape)
-
-
-def _transposed(arch: str, gname: str, shape: list[int]) -> bool:
-    """Stored ``[in, out]`` (GPT-2's Conv1D): written transposed, one GGUF row per output."""
-    return arch in TRANSPOSED_ARCHS and gname.startswith("blk.") and len(shape) == 2
-
-
-def _gqa(config: dict) -> int:
-    heads = config["num_attention_heads"]
-    return heads // (config.get("num_key_value_heads") or heads)
-
-
-class PlannedTensor(NamedTuple):
-    """One GGUF tensor to write: its checkpoint tensors (an MoE role's experts, stacked in order), name, type and
-    torch shape as written (``[n_expert, out, in]`` for stacked experts)."""
-
-    sources: tuple[str, ...]
-    gguf: str
-    kind: GGMLType
-    shape: list[int]
-
-
-def _tensor_plan(
-    reader: CheckpointReader, config: dict, target: Target, has_imatrix: bool = False, types: Mapping[str, GGMLType] | None = None,
-) -> list[PlannedTensor]:
-    """Every tensor to write, in llama.cpp's order; ``types`` (GGUF name -> type, already fitted to the row
-    length) overrides ``target``'s choice per tensor."""
-    shapes: dict[str, tuple[list[str], list[int]]] = {}  # gguf name -> (checkpoint names, shape of one)
-    arch = ARCHITECTURES[config["model_type"]]
-    for name in reader.names():
-        gname = plan.gguf_name(name, arch)
-        if gname is None:
-            if not name.endswith(("rotary_emb.inv_freq", "attn.bias", "attn.masked_bias")):  # buffers
-                log.warning("tensor %s has no GGUF counterpart; skipped", name)
-            continue
-        shape = _shape(reader, name)
-        sources, first = shapes.setdefault(gname, ([], shape[::-1] if _transposed(arch, gname, shape) else shape))
-        if sources and (plan.expert_index(name) is None or shape != first):
-            raise CompressError(f"{name} and {sources[0]} both map to GGUF tensor {gname}: the checkpoint does not match its config.json")
-        sources.append(name)
-    if "output.weight" in shapes and config.get("tie_word_embeddings", False):
-        del shapes["output.weight"]
-    tied = "output.weight" not in shapes
-    n_layers, n_expert = config["num_hidden_layers"], expert_count(config)
-    entries = []
-    for gname, (sources, shape) in shapes.items():
-        if plan.expert_index(sources[0]) is not None:  # stacked by expert index: every one present once
-            sources = sorted(sources, key=plan.expert_index)
-            if [plan.expert_index(n) for n in sources] != list(range(n_expert)):
-                raise CompressError(f"{gname}: the checkpoint has experts {[plan.expert_index(n) for n in sources]}, config.json says {n_expert}")
-            shape = [n_expert, *shape]
-        kind = plan.tensor_type(target, gname, tuple(shape), n_layers, tied, n_gqa=_gqa(config), has_imatrix=has_imatrix,
-                                n_expert=n_expert)
-        if types and gname in types:
-            kind = types[gname]
-        entries.append(PlannedTensor(tuple(sources), gname, kind, shape))
-
-    def order(entry):
-        g = entry.gguf
-        if g.startswith("blk."):
-            return (1, int(g.split(".")[1]), g)
-        return (0 if g.startswith("token_embd") else 2, 0, g)
-
-    return sorted(entries, key=order)
 
 
 PROVENANCE_KEY = "llm_compress.record"  # JSON: tool version, command, settings, SHA-256 of the inputs
@@ -338,7 +269,7 @@ def _write(config: ExportConfig, hf: dict, encoded: Mapping[str, tuple[GGMLType,
     arch = ARCHITECTURES[hf["model_type"]]
     out = config.output
     reader = CheckpointReader(config.model)
-    entries = _tensor_plan(reader, hf, config.target, config.has_imatrix, config.types)
+    entries = tensor_plan(reader, hf, config.target, config.has_imatrix, config.types)
     imatrix = read_imatrix(config.imatrix) if config.imatrix is not None else None
     check_importance(entries, config)
     heads, kv_heads = hf["num_attention_heads"], hf.get("num_key_value_heads") or hf["num_attention_heads"]
@@ -358,7 +289,7 @@ def _write(config: ExportConfig, hf: dict, encoded: Mapping[str, tuple[GGMLType,
         for _, gname, kind, shape in entries:
             cols = shape[-1]
             intended = plan.intended_type(config.target, gname, tuple(shape), hf["num_hidden_layers"], tied,
-                                          n_gqa=_gqa(hf), has_imatrix=config.has_imatrix, n_expert=expert_count(hf))
+                                          n_gqa=gqa(hf), has_imatrix=config.has_imatrix, n_expert=expert_count(hf))
             if config.types and gname in config.types:
                 intended = kind  # planned per tensor: the plan chose what its row length takes
             if intended != kind:
@@ -386,7 +317,7 @@ def _write(config: ExportConfig, hf: dict, encoded: Mapping[str, tuple[GGMLType,
                 rows = torch.from_numpy(given[1])  # rows of bytes permute like rows of weights
             else:
                 rows = reader.get(name).to(torch.float32)
-                if _transposed(arch, gname, shape):
+                if is_transposed(arch, gname, shape):
                     rows = rows.t().contiguous()
                 if gname.endswith("norm.weight") and arch in NORM_SHIFT:
                     rows = rows + NORM_SHIFT[arch]

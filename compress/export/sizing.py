@@ -14,7 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
-from compress.export.gguf import ExportConfig, _tensor_plan, file_type
+from compress.export.gguf import ExportConfig, file_type
+from compress.export.gguf_tensors import tensor_plan
 from compress.export.gguf_arch import ARCHITECTURES, add_metadata, read_config
 from compress.checkpoints.shards import CheckpointReader
 from compress.formats.gguf.sizes import row_bytes
@@ -29,7 +30,7 @@ def fixed_gguf_bytes(config: ExportConfig, planned: set[str]) -> int:
 
     hf = read_config(config.model)
     arch = ARCHITECTURES[hf["model_type"]]
-    entries = _tensor_plan(CheckpointReader(config.model), hf, config.target, config.has_imatrix, config.types)
+    entries = tensor_plan(CheckpointReader(config.model), hf, config.target, config.has_imatrix, config.types)
     with tempfile.TemporaryDirectory() as scratch:
         path = Path(scratch) / "header.gguf"
         writer = gguf.GGUFWriter(path, arch)

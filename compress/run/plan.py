@@ -351,7 +351,7 @@ def gguf_plan(model: Path, spec: PlanSpec, config) -> tuple[Plan, dict[str, Any]
     is the whole file's, its unplanned part measured by `compress.export.sizing`), and the types by GGUF
     tensor name for `ExportConfig.types` (``config``: the export without a plan)."""
     from compress.checkpoints.shards import CheckpointReader
-    from compress.export.gguf import _tensor_plan
+    from compress.export.gguf_tensors import tensor_plan
     from compress.export.gguf_arch import expert_count, read_config
     from compress.export.sizing import fixed_gguf_bytes
 
@@ -360,7 +360,7 @@ def gguf_plan(model: Path, spec: PlanSpec, config) -> tuple[Plan, dict[str, Any]
         raise CompressError("a per-tensor GGUF plan cannot type MoE experts one by one (each role's experts share one stacked "
                             "tensor): export MoE models with --type")
     # each matrix as the file stores it: its GGUF name and [rows, row length] (GPT-2's Conv1D transposed)
-    matrices = [e for e in _tensor_plan(CheckpointReader(model), hf, config.target) if len(e.shape) == 2 and e.sources[0].endswith(".weight")]
+    matrices = [e for e in tensor_plan(CheckpointReader(model), hf, config.target) if len(e.shape) == 2 and e.sources[0].endswith(".weight")]
     shapes = {e.sources[0].removesuffix(".weight"): tuple(e.shape) for e in matrices}
     names = {e.sources[0].removesuffix(".weight"): e.gguf for e in matrices}
     fixed = 0

@@ -21,7 +21,8 @@ from functools import cache
 
 import numpy as np
 
-from compress.formats.gguf._common import F32, GROUP_MAX_EPS, fp16_bytes, fp16_field, importance_weights, make_qp_quants, mean_square
+from compress.formats.gguf._common import F32, GROUP_MAX_EPS, fp16_bytes, fp16_field, importance_weights, mean_square
+from compress.formats.gguf.solvers import make_qp_quants
 from compress.formats.gguf.iq2_xs import level_codes
 from compress.formats.gguf.iq3_s import Tables, block_fit, tables
 from compress.formats.gguf.lattice import HalfStepGrid, decoded, parity_negative, parity_signs, super_blocks

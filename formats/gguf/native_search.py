@@ -37,7 +37,7 @@ def _prepared(x: np.ndarray):
 
 
 def qx_scales(x: np.ndarray, nmax: int, weights: np.ndarray | None, eps: np.float32) -> tuple[np.ndarray, np.ndarray] | None:
-    """`compress.formats.gguf._common.make_qx_quants`' search of ``x [N, n]``: each group's scale (0 where its
+    """`compress.formats.gguf.solvers.make_qx_quants`' search of ``x [N, n]``: each group's scale (0 where its
     largest magnitude is under ``eps``) and the inverse scale whose rounding it kept, ``[N]`` each; None where the
     compiled search is not available (no compiler, ``COMPRESS_NATIVE=0``) or the groups are too wide."""
     library, x = _prepared(x)
@@ -52,7 +52,7 @@ def qx_scales(x: np.ndarray, nmax: int, weights: np.ndarray | None, eps: np.floa
 
 def qkx2_fit(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float, nstep: int,
              use_mad: bool) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
-    """`compress.formats.gguf._common.make_qkx2_quants` of ``x`` and weights ``w`` ``[N, n]``: (scale ``[N]``, min
+    """`compress.formats.gguf.solvers.make_qkx2_quants` of ``x`` and weights ``w`` ``[N, n]``: (scale ``[N]``, min
     ``[N]``, codes ``[N, n]`` int32), or None where the compiled search is not available or the groups are too wide."""
     library, x = _prepared(x)
     if library is None:
@@ -66,7 +66,7 @@ def qkx2_fit(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta: float
 
 
 def qp_fit(x: np.ndarray, nmax: int, w: np.ndarray, eps: np.float32) -> tuple[np.ndarray, np.ndarray] | None:
-    """`compress.formats.gguf._common.make_qp_quants` of ``x`` and weights ``w`` ``[N, n]``: (scale ``[N]``, codes
+    """`compress.formats.gguf.solvers.make_qp_quants` of ``x`` and weights ``w`` ``[N, n]``: (scale ``[N]``, codes
     ``[N, n]`` int32), or None where the compiled search is not available or the groups are too wide."""
     library, x = _prepared(x)
     if library is None:
@@ -79,7 +79,7 @@ def qp_fit(x: np.ndarray, nmax: int, w: np.ndarray, eps: np.float32) -> tuple[np
 
 
 def q3_fit(x: np.ndarray, nmax: int, eps: np.float32) -> tuple[np.ndarray, np.ndarray] | None:
-    """`compress.formats.gguf._common.make_q3_quants` of ``x [N, n]``: (scale ``[N]``, codes ``[N, n]`` int32), or
+    """`compress.formats.gguf.solvers.make_q3_quants` of ``x [N, n]``: (scale ``[N]``, codes ``[N, n]`` int32), or
     None where the compiled search is not available or the groups are too wide."""
     library, x = _prepared(x)
     if library is None:

@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 
 from compress.formats.gguf._common import (
-    F32, _running_sum, fp16_bytes, fp16_field, fp16_round, importance_weights, make_qkx2_quants, make_qp_quants,
-    mean_square, nearest_int,
+    F32, _running_sum, fp16_bytes, fp16_field, fp16_round, importance_weights, mean_square, nearest_int,
 )
+from compress.formats.gguf.solvers import make_qkx2_quants, make_qp_quants
 from compress.formats.gguf import q4_k
 from compress.formats.gguf.q4_k import KGrid
 from compress.formats.gguf.sizes import GGMLType

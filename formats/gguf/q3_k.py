@@ -17,9 +17,9 @@ import numpy as np
 import torch
 
 from compress.formats.gguf._common import (
-    F32, _running_sum, as_torch, fp16_bytes, fp16_field, fp16_round, importance_weights, make_q3_quants, make_qx_quants,
-    mean_square, nearest_int, signed_absmax,
+    F32, _running_sum, as_torch, fp16_bytes, fp16_field, fp16_round, importance_weights, mean_square, nearest_int, signed_absmax,
 )
+from compress.formats.gguf.solvers import make_q3_quants, make_qx_quants
 from compress.formats.gguf.q2_k import pack_crumbs, unpack_crumbs
 from compress.formats.gguf.sizes import GGMLType
 

@@ -12,8 +12,9 @@ import numpy as np
 import torch
 
 from compress.formats.gguf._common import (
-    F32, as_torch, fp16_bytes, fp16_field, importance_weights, make_qx_quants, nibbles, safe_reciprocal, signed_absmax,
+    F32, as_torch, fp16_bytes, fp16_field, importance_weights, nibbles, safe_reciprocal, signed_absmax,
 )
+from compress.formats.gguf.solvers import make_qx_quants
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q4_0

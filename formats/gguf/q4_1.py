@@ -11,8 +11,9 @@ import numpy as np
 import torch
 
 from compress.formats.gguf._common import (
-    F32, as_torch, fp16_bytes, fp16_field, importance_weights, make_qkx2_quants, nibbles, row_max, row_min, safe_reciprocal,
+    F32, as_torch, fp16_bytes, fp16_field, importance_weights, nibbles, row_max, row_min, safe_reciprocal,
 )
+from compress.formats.gguf.solvers import make_qkx2_quants
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q4_1

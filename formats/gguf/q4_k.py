@@ -19,9 +19,9 @@ import numpy as np
 import torch
 
 from compress.formats.gguf._common import (
-    F32, _running_sum, as_torch, fp16_bytes, fp16_field, fp16_round, importance_weights, make_qkx2_quants, make_qp_quants,
-    mean_square, nearest_int, nibbles, pack_k_scales, unpack_k_scales,
+    F32, _running_sum, as_torch, fp16_bytes, fp16_field, fp16_round, importance_weights, mean_square, nearest_int, nibbles, pack_k_scales, unpack_k_scales,
 )
+from compress.formats.gguf.solvers import make_qkx2_quants, make_qp_quants
 from compress.formats.gguf.sizes import GGMLType
 
 KIND = GGMLType.Q4_K

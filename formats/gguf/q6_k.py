@@ -14,9 +14,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from compress.formats.gguf._common import (
-    F32, fp16_bytes, fp16_field, fp16_round, make_qx_quants, nearest_int, signed_absmax,
-)
+from compress.formats.gguf._common import F32, fp16_bytes, fp16_field, fp16_round, nearest_int, signed_absmax
+from compress.formats.gguf.solvers import make_qx_quants
 from compress.formats.gguf import q3_k
 from compress.formats.gguf.q3_k import SGrid
 from compress.formats.gguf.sizes import GGMLType

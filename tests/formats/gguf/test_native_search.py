@@ -11,7 +11,7 @@ import shutil
 import numpy as np
 import pytest
 
-from compress.formats.gguf import _common, q2_k, q3_k, q4_0, q4_k, q5_k, q6_k
+from compress.formats.gguf import _common, q2_k, q3_k, q4_0, q4_k, q5_k, q6_k, solvers
 from compress.formats.gguf.native_search import MAX_N, q3_fit, qkx2_fit, qp_fit, qx_scales
 
 pytestmark = pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None,
@@ -50,7 +50,7 @@ def test_compiled_search_equals_the_numpy_search_bit_for_bit(n, nmax, weighted):
         weights[10] = 0
     scale, chosen = qx_scales(x, nmax, weights, _common.GROUP_MAX_EPS)
     with np.errstate(over="ignore"):  # the 1e30 group's squares overflow in numpy as in C (to inf, compared alike)
-        ref_scale, ref_chosen, empty = _common._qx_search(x, nmax, weights)
+        ref_scale, ref_chosen, empty = solvers._qx_search(x, nmax, weights)
     np.testing.assert_array_equal(scale.view(np.uint32), ref_scale.view(np.uint32))
     live = ~empty  # an empty group's kept inverse scale is never read (its codes are written as zeros)
     np.testing.assert_array_equal(chosen[live].view(np.uint32), ref_chosen[live].view(np.uint32))
@@ -69,7 +69,7 @@ def test_compiled_asymmetric_search_equals_the_numpy_search_bit_for_bit(n, nmax,
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         got = qkx2_fit(x, w, nmax, rmin, rdelta, nstep, use_mad)
         monkeypatch.setenv("COMPRESS_NATIVE", "0")
-        want = _common.make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep, use_mad)
+        want = solvers.make_qkx2_quants(x, w, nmax, rmin, rdelta, nstep, use_mad)
     for a, b in zip(got, want):
         np.testing.assert_array_equal(a.view(np.uint32), b.view(np.uint32))
 
@@ -86,7 +86,7 @@ def test_compiled_super_block_fit_equals_the_numpy_fit_bit_for_bit(n, nmax, monk
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         got = qp_fit(x, nmax, w, _common.GROUP_MAX_EPS)
         monkeypatch.setenv("COMPRESS_NATIVE", "0")
-        want = _common.make_qp_quants(x, nmax, w)
+        want = solvers.make_qp_quants(x, nmax, w)
     np.testing.assert_array_equal(got[0].view(np.uint32), want[0].view(np.uint32))
     np.testing.assert_array_equal(got[1], want[1])
 
@@ -99,7 +99,7 @@ def test_compiled_q3_fit_equals_the_numpy_fit_bit_for_bit(n, nmax, monkeypatch):
     with np.errstate(over="ignore", invalid="ignore", divide="ignore"):
         got = q3_fit(x, nmax, _common.GROUP_MAX_EPS)
         monkeypatch.setenv("COMPRESS_NATIVE", "0")
-        want = _common.make_q3_quants(x, nmax)
+        want = solvers.make_q3_quants(x, nmax)
     np.testing.assert_array_equal(got[0].view(np.uint32), want[0].view(np.uint32))
     np.testing.assert_array_equal(got[1], want[1])
 

@@ -1,4 +1,4 @@
-"""`_common.make_qx_quants` against ggml's ``make_qx_quants`` (rmse_type 1) transcribed line by line, one group at a
+"""`solvers.make_qx_quants` against ggml's ``make_qx_quants`` (rmse_type 1) transcribed line by line, one group at a
 time in float32 scalars, with no vectorisation: scales and codes must be the very same, on groups built to make its
 trial-by-trial choice matter (identical roundings from neighbouring trials, zero weights under which different
 roundings tie exactly, all-zero groups, ±ties of the largest magnitude, tiny and huge values)."""
@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from compress.formats.gguf._common import make_qx_quants
+from compress.formats.gguf.solvers import make_qx_quants
 
 F = np.float32
 
