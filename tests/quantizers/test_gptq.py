@@ -324,3 +324,14 @@ def test_proxy_loss_rows_reads_half_of_h_and_is_the_full_quadratic_form(width):
     got = proxy_loss_rows(delta, h)
     assert got.dtype == torch.float64 and got.shape == (24,)
     torch.testing.assert_close(got, expected, rtol=2e-6, atol=0)
+
+
+@pytest.mark.parametrize("n,rows", [(1, 256), (7, 3), (300, 256), (513, 64)])
+def test_permuted_square_gathers_rows_and_columns(n, rows):
+    """``H[perm][:, perm]`` by strips: the very entries of numpy's fancy indexing, whatever the strip height."""
+    from compress.quantizers.gptq import permuted_square
+
+    H = torch.randn(n, n, generator=torch.Generator().manual_seed(n))
+    perm = torch.randperm(n, generator=torch.Generator().manual_seed(n + 1))
+    expected = torch.from_numpy(H.numpy()[np.ix_(perm.numpy(), perm.numpy())])
+    assert torch.equal(permuted_square(H, perm, rows), expected)

@@ -425,6 +425,19 @@ def test_upper_gram_is_the_full_product(width):
     assert torch.equal(gram, gram.t())
 
 
+@pytest.mark.parametrize("width", [1, 7, 255, 256, 257, 600, 1030])
+def test_symmetric_from_upper_mirrors_the_rounded_upper_triangle(width):
+    """Each entry on and above the diagonal scaled in float64 and rounded to float32 once, mirrored bit for bit (the
+    textbook construction on whole matrices); nothing below ``total``'s diagonal is read (it holds NaN here)."""
+    from compress.engine.statistics import symmetric_from_upper
+
+    total = torch.randn(width, width, dtype=torch.float64, generator=torch.Generator().manual_seed(width)) * 1e3
+    total = total.triu() + torch.full_like(total, float("nan")).tril(-1)
+    upper = (total.nan_to_num().triu() * (2.0 / 3)).float()
+    expected = upper + upper.triu(1).t()
+    assert torch.equal(symmetric_from_upper(total, 2.0 / 3, torch.float32), expected)
+
+
 @pytest.mark.parametrize("width", [1, 7, 384, 385, 1000, 1536, 2049, 14336])
 def test_upper_blocks_cover_the_upper_triangle_once(width):
     """Every entry on or above the diagonal lies in exactly one block (none counted twice, none missed), and every
