@@ -422,5 +422,6 @@ class Engine:
         return result
 
     def _write_outer(self, writer: ShardedWriter) -> list[LayerReport]:
+        """3. Everything outside the blocks (`compress.engine.outer`): its transformed layers' reports."""
         return write_outer(self.handle, self.stages, self._in_blocks, self.outcomes, writer, self.device, self.dtype,
                            self.on_layer)
