@@ -2,7 +2,7 @@
 
     python bench/pipeline.py [--model DIR] [--blocks 8] [--method gptq|rtn|awq|w8a8] [--bits 4 --group-size 64]
                              [--calib FILE --samples 32 --seq-len 512] [--text FILE --max-tokens 4096]
-                             [--threads 2] [--device cpu|cuda] [--anchor llm-compressor] [--set KEY=VALUE ...]
+                             [--threads 2] [--device cpu|cuda] [--anchor llm-compressor] [--repeat 1] [--set KEY=VALUE ...]
 
 Both tools are timed alike: a fresh process from its start to its exit, what a user waits for (ours with the
 ``compress`` command's process settings). Phases (exclusive time: a phase's time excludes the phases it calls):
@@ -38,6 +38,8 @@ import argparse
 import json
 import os
 import resource
+import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -321,6 +323,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--anchor", choices=["llm-compressor"])
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="runs of each tool, alternating: the walls' medians, the phases of our fastest run, each run's ratio")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="another setting of (the last stage of) our method, e.g. true_sequential=false")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # `ours` in its fresh process
@@ -333,13 +337,28 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
         model = random_checkpoint(args.random, args.blocks or 4) if args.random else truncated(args.model, args.blocks, scratch)
-        seconds, child = ours(args, model, scratch / "ours")
+        walls: dict[str, list[float]] = {"ours": [], "anchor": []}
+        fastest, rss = None, {"ours": 0.0, "anchor": 0.0}
+        for run in range(args.repeat):  # alternating, ours first; each output replaces the previous run's
+            seconds, child = ours(args, model, fresh(scratch / "ours"))
+            walls["ours"].append(seconds)
+            rss["ours"] = max(rss["ours"], child["rss_gb"])
+            if fastest is None or seconds < fastest[0]:
+                fastest = (seconds, child)
+            if args.anchor:
+                wall, peak = anchor(args, model, fresh(scratch / "anchor"), scratch)
+                walls["anchor"].append(wall)
+                rss["anchor"] = max(rss["anchor"], peak)
+            if args.repeat > 1:
+                pair = f", llm-compressor {walls['anchor'][-1]:.1f} s ({seconds / walls['anchor'][-1]:.2f})" if args.anchor else ""
+                print(f"run {run + 1}: ours {seconds:.1f} s{pair}", flush=True)
+        seconds, child = fastest
         phases, counts = child["seconds"], child["calls"]
         phases["start"] = seconds - child["run"]  # the interpreter, the imports of torch and ours, the process's exit
         what = "smoothquant + gptq w8a8-int8" if args.method == "w8a8" else f"{args.method} w{args.bits} g{args.group_size}"
         print(f"model {model.name}, {what}{' act-order' if args.act_order and args.method == 'gptq' else ''}"
               f"{''.join(' ' + item for item in args.set)}, calibration {args.samples} x "
-              f"{args.seq_len}, {args.threads} threads, {args.device}")
+              f"{args.seq_len}, {args.threads} threads, {args.device}" + (", our fastest run's phases" if args.repeat > 1 else ""))
         print("\n| phase | seconds | share | calls |\n|---|---:|---:|---:|")
         for phase in ("start", "load", "capture", "order", "statistics", "one pass", "sums", "solve", "replay", "propagation", "write"):
             if phases.get(phase, 0) >= 0.005:  # e.g. one pass, tried and not taken by RTN
@@ -347,14 +366,23 @@ def main() -> None:
         rest = seconds - sum(phases.values())
         print(f"| other | {rest:.2f} | {100 * rest / seconds:.0f}% | |\n| **total** | **{seconds:.2f}** | | |")
         print(f"\npeak RSS {child['rss_gb']:.2f} GB" + (f", peak device memory {child['device_gb']:.2f} GB" if child["device_gb"] else ""))
-        rows = [("ours", seconds, child["rss_gb"], scratch / "ours")]
-        if args.anchor:
-            rows.append(("llm-compressor 0.14", *anchor(args, model, scratch / "anchor", scratch), scratch / "anchor"))
-        print(f"\n| tool | wall s | x ours | peak RSS GB | KLD | ppl |\n|---|---:|---:|---:|---:|---:|")
-        for name, wall, rss, path in rows:
-            result = evaluate_checkpoint(path, args.text, reference_path=model, max_tokens=args.max_tokens, device=args.device)
-            print(f"| {name} | {wall:.1f} | {wall / seconds:.2f} | {rss:.2f} | {result.kld:.5f} | {result.perplexity:.3f} |")
+        rows = [("ours", "ours")] + ([("llm-compressor 0.14", "anchor")] if args.anchor else [])
+        ours_median = statistics.median(walls["ours"])
+        print(f"\n| tool | wall s{' (median of ' + str(args.repeat) + ')' if args.repeat > 1 else ''} | x ours | peak RSS GB | KLD | ppl |"
+              f"\n|---|---:|---:|---:|---:|---:|")
+        for name, key in rows:  # the last run's outputs
+            result = evaluate_checkpoint(scratch / key, args.text, reference_path=model, max_tokens=args.max_tokens, device=args.device)
+            wall = statistics.median(walls[key])
+            print(f"| {name} | {wall:.1f} | {wall / ours_median:.2f} | {rss[key]:.2f} | {result.kld:.5f} | {result.perplexity:.3f} |")
+        if args.anchor and args.repeat > 1:
+            ratios = [a / b for a, b in zip(walls["ours"], walls["anchor"])]
+            print(f"\nours / llm-compressor by run: {', '.join(f'{r:.2f}' for r in ratios)} (median {statistics.median(ratios):.2f})")
 
+
+def fresh(path: Path) -> Path:
+    """``path`` with any earlier run's output removed (a tool does not overwrite it; 8B-shaped outputs are GBs)."""
+    shutil.rmtree(path, ignore_errors=True)
+    return path
 
 if __name__ == "__main__":
     main()
