@@ -384,5 +384,6 @@ def fresh(path: Path) -> Path:
     shutil.rmtree(path, ignore_errors=True)
     return path
 
+
 if __name__ == "__main__":
     main()

@@ -175,12 +175,12 @@ class Engine:
 
     def check_calibration(self, calibration: torch.Tensor | None) -> None:
         """The calibration windows are there when a method or the observer needs them, and enough for the ranks."""
-        check_calibration(calibration, self.stages, self.observer, self.ranks.world)
+        check_calibration(calibration, self.needs_data, self.stages, self.observer, self.ranks.world)
 
     def check_stages(self) -> None:
         """Validate every stage against every selected layer (what needs no calibration data: callers run it
         before tokenizing a calibration set)."""
-        check_stages(self.stages, self.handle, self._in_blocks, self.all_experts)
+        check_stages(self.stages, self.handle, self._in_blocks, self.all_experts, self.needs_reference)
 
     # -- 1. inputs of block 0 -------------------------------------------------------------------
     def new_activations(self) -> Activations:

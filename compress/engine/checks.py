@@ -13,9 +13,11 @@ from compress.engine.statistics import Stat
 from compress.errors import CompressError
 
 
-def check_stages(stages: list[Stage], handle: ModelHandle, in_blocks: tuple[str, ...], all_experts: bool) -> None:
+def check_stages(stages: list[Stage], handle: ModelHandle, in_blocks: tuple[str, ...], all_experts: bool,
+                 needs_reference: bool) -> None:
     """Every stage against every layer it selects (what needs no calibration data: callers run it before
-    tokenizing a calibration set). ``in_blocks``: the decoder blocks' name prefixes, dot included."""
+    tokenizing a calibration set). ``in_blocks``: the decoder blocks' name prefixes, dot included;
+    ``needs_reference``: a method calibrates asymmetrically (`Stat.INPUT_DRIFT`)."""
     for stage in stages:
         if not stage.layers:
             raise CompressError(f"method {stage.method.name} selects no layers: check the include/exclude patterns")
@@ -40,17 +42,15 @@ def check_stages(stages: list[Stage], handle: ModelHandle, in_blocks: tuple[str,
                 f"asymmetric {stage.method.name} after {earlier[0].method.name} on the same layers is not supported: "
                 "drop asymmetric, or run it alone"
             )
-    needs_reference = any(Stat.INPUT_DRIFT in m.needs for stage in stages for m in stage.methods())
     if needs_reference and not all_experts and routing_modules(handle.model):
         raise CompressError("asymmetric calibration compares each expert's inputs token by token: "
                             "calibrate every expert on every token (drop all_experts: false), or drop asymmetric")
 
 
-def check_calibration(calibration: torch.Tensor | None, stages: list[Stage], observer: BlockObserver | None,
-                      world: int) -> None:
-    """The calibration windows are there when a method or the ``observer`` needs them, and at least one per
-    process of the ``world``."""
-    needs_data = any(m.needs for stage in stages for m in stage.methods()) or observer is not None
+def check_calibration(calibration: torch.Tensor | None, needs_data: bool, stages: list[Stage],
+                      observer: BlockObserver | None, world: int) -> None:
+    """The calibration windows are there when ``needs_data`` (a method or the ``observer`` needs them), and at least
+    one per process of the ``world``."""
     if needs_data and calibration is None:
         names = [s.method.name for s in stages if any(m.needs for m in s.methods())]
         who = f"method {', '.join(names)}" if names else observer.name
