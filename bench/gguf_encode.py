@@ -12,8 +12,7 @@ bytes written to disk (what the disk cache holds is the same for both: the F16 f
   torch limited to as many threads, under the export's allocator policy, `compress.cli.allocator.STREAMING`);
 - llama.cpp: ``llama_model_quantize`` (llama-cpp-python) of the same file with ``pure`` set, so every
   matrix gets the type, with ``--threads`` threads (wall time of the call: its reading, encoding and writing).
-Speed is F16 megabytes in per second. Also checks that both wrote the same bytes. (Before stop 41 ours was timed
-without its reading and writing.) ``--random tinyllama --blocks 2`` writes (once, cached) a random checkpoint of
+Speed is F16 megabytes in per second. Also checks that both wrote the same bytes. ``--random tinyllama --blocks 2`` writes (once, cached) a random checkpoint of
 TinyLlama-1.1B's shapes (`bench/pipeline.py`'s `random_checkpoint`; 219 M weights, every width a multiple of 256,
 so every matrix takes the k-quant), large enough for the encoding to repay starting worker processes.
 """

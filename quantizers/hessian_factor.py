@@ -13,10 +13,10 @@ float32 Cholesky (MKL) rounds differently with 1 and 2 threads, which made GPTQ'
 core count; the products are cut into tiles fixed by their shapes alone, each computed on one thread
 (`threads.FixedTileProducts`: MKL's own threaded product summed the edges of each thread's share in another order
 on some CPUs), so this factor is the same bit for bit whatever the thread count (tested with 1–4 threads,
-`tests/quantizers/test_hessian_factor.py`), while using them: 1536 wide, 108 ms for the one-thread reference, 43 ms
-here on one thread and 22 ms on two (stop 36's machine, MKL's own threaded products; with the fixed tiles on stop
-39's slower CPU 55–64 ms on two, where MKL's took 38–46); 14336 wide (an 8B model's MLP down projection), 2
-threads: 15.4–15.6 s with 128-row blocks, 14.1–14.6 s with `WIDE_BLOCK` (stop 47).
+`tests/quantizers/test_hessian_factor.py`), while using them. The fixed tiles cost some speed against MKL's own
+threaded products (1536 wide on two threads of a 2-core CPU: 55–64 ms against 38–46 ms), which reproducible codes
+are worth; `WIDE_BLOCK` takes larger blocks for the widest matrices, where the products dominate (14336 wide, an
+8B model's MLP down projection: 14.1–14.6 s on two threads, 15.4–15.6 s with 128-row blocks).
 
 Shapes: ``H [n, n]`` symmetric positive definite; ``U [n, n]``.
 """

@@ -156,7 +156,8 @@ def load_calibration_text(path: Path) -> str:
 
 
 def sample_calibration(tokenizer, text: str, samples: int, seq_len: int, seed: int = 0) -> torch.LongTensor:
-    """Pick `samples` distinct disjoint windows of `seq_len` tokens from `text`; shape [samples, seq_len]."""
+    """Pick `samples` distinct disjoint windows of `seq_len` tokens from `text` (all that fit where fewer do);
+    shape [samples, seq_len]."""
     if samples < 1:
         raise CompressError(f"calibration samples must be at least 1, got {samples}: pass --samples 1 or more")
     if seq_len < 2:
@@ -165,9 +166,13 @@ def sample_calibration(tokenizer, text: str, samples: int, seq_len: int, seed: i
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     stream = torch.tensor(ids, dtype=torch.long)
     n_windows = stream.numel() // seq_len
-    if n_windows < samples:
-        raise CompressError(f"calibration text has {stream.numel()} tokens but {samples} samples x {seq_len} tokens "
-                            f"need {samples * seq_len}: give more text or lower --samples/--seq-len")
+    if n_windows == 0:
+        raise CompressError(f"calibration text has {stream.numel()} tokens, fewer than one window of {seq_len}: "
+                            "give more text or lower --seq-len")
+    if n_windows < samples:  # as llm-compressor takes min(samples, len(dataset)): a short text still calibrates, said once
+        logger.warning("calibration text has %d tokens: %d windows of %d, not %d (give more text for all of them)",
+                       stream.numel(), n_windows, seq_len, samples)
+        samples = n_windows
     windows = stream[: n_windows * seq_len].view(n_windows, seq_len)
     order = torch.randperm(n_windows, generator=torch.Generator().manual_seed(seed))[:samples]
     logger.info("calibration: %d tokens, %d windows of %d, using %d (seed %d)",

@@ -12,6 +12,8 @@ A failed or interrupted run leaves no half-written output, an existing output is
 - A killed run's temporary directory holding a progress record (``.progress/``) is continued by a run
   with ``resume`` (``--resume``): checked, then renamed to that run's own; without it, it is reported with
   both commands (resume or remove) and never reused.
+- Once the output is complete, the temporary files that dead runs left beside it are removed (the output
+  supersedes them; a killed 70B run's is tens of GB), and one log line says which.
 - The finished directory carries ``manifest.json``, the SHA-256 of every file and tensor
   (`compress.checkpoints.integrity`), which ``compress verify`` checks.
 """
@@ -56,6 +58,34 @@ def report_stale(paths: list[Path]) -> None:
     for path in paths:
         resume = "continue it with the same command and --resume, or " if resumable(path) else ""
         log.warning("%s was left by an interrupted run and is not used; %sremove it with: rm -rf %s", path, resume, shlex.quote(str(path)))
+
+
+def _writer_alive(path: Path, final: Path) -> bool:
+    """The run that named ``path`` (``.<final>.<marker>-<pid>...``) is a live process other than this one."""
+    pid = path.name[len(f".{final.name}."):].partition("-")[2].split("-")[0].split(".")[0]
+    if not pid.isdigit() or int(pid) == os.getpid():
+        return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_superseded(paths: list[Path], final: Path) -> list[Path]:
+    """Remove the temporary files and folders that dead runs left beside ``final``, now complete (the caller holds
+    its lock, so no live run writes them); logs one line naming them. Returns what was removed."""
+    removed = []
+    for path in paths:
+        if path.exists() and not _writer_alive(path, final):
+            shutil.rmtree(path, ignore_errors=True) if path.is_dir() else path.unlink(missing_ok=True)
+            removed.append(path)
+    if removed:
+        log.warning("removed %d left by interrupted runs of %s, superseded by this one: %s",
+                    len(removed), final, ", ".join(p.name for p in removed))
+    return removed
 
 
 def disk_error(final: Path, exc: BaseException) -> CompressError | None:
@@ -162,7 +192,7 @@ class OutputDir:
         self._check_final()
         self.tmp = final.parent / f".{final.name}.partial-{os.getpid()}"
         self.lock = OutputLock(final)
-        self.stale: list[Path] = []  # temporary files of killed runs found beside the output (reported, kept)
+        self.stale: list[Path] = []  # temporary files of killed runs found beside the output (removed on success)
 
     def _check_final(self) -> None:
         if self.final.exists() and not self.overwrite:
@@ -223,6 +253,7 @@ class OutputDir:
             os.replace(self.tmp, self.final)
             if old is not None:
                 shutil.rmtree(old, ignore_errors=True)
+            remove_superseded(self.stale, self.final)
         finally:
             self.lock.release()
 

@@ -38,9 +38,9 @@ FRUGAL = AllocatorPolicy(mmap_threshold=1 << 20)
 STREAMING = AllocatorPolicy(mmap_threshold=4 << 20, trim_threshold=64 << 20)
 # Calibrated compression (`recipe_policy`: quantize or prune with --calib by GPTQ, SparseGPT, AWQ, ...): the one pass runs its windows
 # in chunks whose temporaries stay under 15 MiB (`compress.engine.one_pass.CHUNK_BYTES`), so that from the heap the next
-# chunk reuses their pages; under FRUGAL each was a fresh mapping, page-faulted in (3.3 M faults, 7.2 s of system time
-# in GPTQ on SmolLM2's first 8 blocks, 32 x 512 tokens: 20.7-22.0 -> 16.4-18.2 s, peak RSS 1.02 -> 1.14-1.21 GB). One
-# arena: glibc gives each thread that allocates a heap of its own (1.86 GB when the chunks ran on threads, before stop 53).
+# chunk reuses their pages; under FRUGAL each would be a fresh mapping, page-faulted in (3.3 M faults, 7.2 s of system
+# time in GPTQ on SmolLM2's first 8 blocks, 32 x 512 tokens, about a fifth of the run; the heap costs ~0.1-0.2 GB of
+# peak RSS). One arena: glibc gives each thread that allocates a heap of its own.
 CALIBRATING = AllocatorPolicy(mmap_threshold=16 << 20, arenas=1, window_chunks=True)
 COMMAND_ALLOCATOR = {"export": STREAMING, "measure": STREAMING}
 

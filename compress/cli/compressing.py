@@ -107,6 +107,10 @@ def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
         "trust_remote_code": args["trust_remote_code"],
         "resume": args.get("resume", False),
     }
+    if args.get("activation_memory") is not None and args["calib"] is None:
+        from compress.errors import CompressError
+
+        raise CompressError("--activation-memory bounds the calibration inputs: pass --calib with it, or drop it")
     if args["calib"] is not None:
         data["calibration"] = {"path": args["calib"], "samples": args["samples"], "seq_len": args["seq_len"]}
         if args.get("activation_memory") is not None:
@@ -129,7 +133,7 @@ def quantize(
     ),
     bits: Optional[int] = typer.Option(None, "--bits", help="Weight bit width, 2 to 8 (default 4)."),
     group_size: Optional[str] = typer.Option(
-        None, "--group-size", help="Columns per scale group; -1 for per channel; auto: the largest of 128/64/32 dividing every layer (default 128).",
+        None, "--group-size", help="Columns per scale group; -1 for per channel; auto (default): the largest of 128/64/32 dividing every selected layer.",
     ),
     symmetric: Optional[bool] = typer.Option(None, "--sym/--asym", help="Symmetric or asymmetric grid (default symmetric)."),
     output_format: str = FORMAT_OPT,
@@ -143,7 +147,7 @@ def quantize(
     kv_cache: Optional[str] = typer.Option(
         None, "--kv-cache", help="Also calibrate KV-cache scales (needs --calib) and store them for vLLM: fp8 or int8.",
     ),
-    kv_cache_strategy: str = typer.Option("tensor", "--kv-cache-strategy", help="KV-cache scales per tensor (every vLLM backend) or per KV head."),
+    kv_cache_strategy: str = typer.Option("tensor", "--kv-cache-strategy", help="KV-cache scales: tensor (one per layer, every vLLM backend) or head (one per KV head)."),
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="Per-layer bits/group size: a plan file (compress allocate -o), or a sensitivity file with a target below.",
     ),
@@ -179,7 +183,7 @@ def prune(
     pattern: Optional[str] = typer.Option(None, "--pattern", help="N:M semi-structured: keep N of every M, e.g. 2:4."),
     structured: Optional[str] = typer.Option(
         None, "--structured",
-        help="Structured: heads=0.25,mlp=0.5,hidden=0.25,layers=4 (a fraction removed, or the size kept); a smaller dense model.",
+        help="Structured: heads=0.25,mlp=0.5,hidden=0.25,layers=4 (a fraction removed, or the size kept; heads are removed by KV group); a smaller dense model.",
     ),
     target_params: Optional[str] = typer.Option(
         None, "--target-params", help="Structured: scale MLP and hidden widths to at most this many parameters, e.g. 90M.",

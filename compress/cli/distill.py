@@ -107,12 +107,12 @@ def execute_distill(recipe, as_json: bool, command: str | None = None) -> None:
 def register(app: typer.Typer) -> None:
     """Add `compress distill` to the CLI, reusing its shared options and error handling."""
     from compress.cli.console import command_line, user_errors
-    from compress.cli.options import DEVICE_OPT, JSON_OPT, MODEL_ARG, OUTPUT_OPT, OVERWRITE_OPT, TRUST_REMOTE_CODE_OPT
+    from compress.cli.options import DEVICE_OPT, JSON_OPT, OUTPUT_OPT, OVERWRITE_OPT, TRUST_REMOTE_CODE_OPT
 
     @app.command("distill")
     @user_errors
     def distill(
-        teacher: Path = MODEL_ARG,
+        teacher: Path = typer.Argument(..., help="Teacher checkpoint directory (Hugging Face layout)."),
         output: Path = OUTPUT_OPT,
         student: str = typer.Option(..., "--student", help=STUDENT_HELP),
         data: Path = typer.Option(..., "--data", help="Training text: file, folder or saved dataset (as --calib)."),
@@ -147,7 +147,7 @@ def register(app: typer.Typer) -> None:
         from compress.run.recipe import parse_recipe
 
         section = {
-            "data": data, "student": parse_student(student), "steps": steps, "batch_size": batch_size,
+            "data": data, "student": {**parse_student(student), "seed": seed}, "steps": steps, "batch_size": batch_size,
             "grad_accum": grad_accum, "seq_len": seq_len, "lr": lr, "warmup_steps": warmup_steps, "tau": tau,
             "alpha": alpha, "precision": precision, "keep_masks": keep_masks, "save_every": save_every,
             "checkpoint_dir": checkpoint_dir, "resume": resume, "seed": seed, "eval_max_tokens": eval_max_tokens,

@@ -19,7 +19,7 @@ def eval_ppl(
     text: Path = typer.Option(..., "--text", help="UTF-8 text file."),
     ctx: int = typer.Option(512, "--ctx", help="Window length in tokens."),
     stride: Optional[int] = typer.Option(None, "--stride", help="Window stride (default: ctx)."),
-    reference: Optional[Path] = typer.Option(None, "--reference", help="Unquantized model: also report mean KLD from it."),
+    reference: Optional[Path] = typer.Option(None, "--reference", help="Unquantized model (directory or .gguf file): also report mean KLD from it."),
     batch_size: int = typer.Option(8, "--batch-size", help="Windows per forward pass."),
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Evaluate only the first N tokens."),
     kv_cache: Optional[str] = typer.Option(
@@ -89,10 +89,10 @@ def eval_ppl(
 @user_errors
 def reference_model(
     output: Path = typer.Option(..., "-o", "--output", help="Where to write the trained checkpoint."),
-    corpus: Path = typer.Option(Path("../shared/corpus/shakespeare/train.txt"), "--corpus", help="Training text."),
+    corpus: Path = typer.Option(Path("../shared/corpus/shakespeare/train.txt"), "--corpus", help="Training text (the default is relative to the working directory: the checkout's root)."),
     steps: int = typer.Option(2000, "--steps", help="Training steps (batch 8 × 512 tokens)."),
     eval_text: list[Path] = typer.Option([], "--eval-text", help="Texts whose perplexity goes in the model card."),
-    overwrite: bool = typer.Option(False, "--overwrite"),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output directory."),
 ) -> None:
     """Train the small reference Llama (deterministic, CPU) that quality tests measure against."""
     import torch

@@ -28,7 +28,7 @@ def export_command(
         "or awq-gptq (AWQ scales, then GPTQ).",
     ),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="llama.cpp imatrix GGUF file for --method imatrix."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text for gptq/awq, or for imatrix without --imatrix."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text for gptq, awq and awq-gptq, or for imatrix without --imatrix."),
     samples: int = SAMPLES_OPT,
     seq_len: int = SEQ_LEN_OPT,
     device: str = DEVICE_OPT,
@@ -40,11 +40,11 @@ def export_command(
     target_bpw: Optional[float] = TARGET_BPW_OPT,
     max_kld: Optional[float] = MAX_KLD_OPT,
     option: list[str] = typer.Option(
-        [], "-O", "--option", help="GPTQ/AWQ setting KEY=VALUE, e.g. -O asymmetric=true or -O damp=0.1 (see `compress methods`).",
+        [], "-O", "--option", help="GPTQ/AWQ setting KEY=VALUE, e.g. -O asymmetric=true, -O damp=0.1, -O tied_output=false (see docs/gguf.md).",
     ),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Export a llama/mistral/qwen2 checkpoint to a single file that llama.cpp runs (GGUF)."""
+    """Export a checkpoint (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, gpt2, mixtral, qwen2_moe, qwen3_moe) to one GGUF file that llama.cpp runs."""
     import tempfile
     from dataclasses import replace
 
@@ -144,7 +144,7 @@ def imatrix_command(
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
     as_json: bool = JSON_OPT,
 ) -> None:
-    """Collect an importance matrix (mean squared input of every block linear layer) for llama.cpp."""
+    """Collect llama.cpp's importance matrix: per-column sums of squared inputs and token counts of every block linear layer (MoE experts: a row each; routers)."""
     from compress.checkpoints.gguf_source import checkpoint_source
     from compress.export.imatrix import ImatrixConfig, run_imatrix
 

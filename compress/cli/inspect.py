@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,7 @@ from compress.cli.options import JSON_OPT
 @user_errors
 def inspect(
     model: Path = typer.Argument(..., help="Checkpoint directory."),
-    trust_remote_code: bool = typer.Option(False, "--trust-remote-code"),
+    trust_remote_code: bool = typer.Option(False, "--trust-remote-code", help="Allow the checkpoint's own model code (config auto_map)."),
     as_json: bool = JSON_OPT,
 ) -> None:
     """Architecture, decoder blocks, quantizable layers, size, and compression already present."""
@@ -84,6 +85,11 @@ def _describe_compression(info: dict[str, Any]) -> str:
     return "none recorded"
 
 
+def _typed(value) -> object:
+    """A default as the user types it with -O (an enum's value, not its repr)."""
+    return value.value if isinstance(value, enum.Enum) else value
+
+
 def methods() -> None:
     """List the registered methods and their settings."""
     from compress.engine.registry import method_class, method_names
@@ -93,7 +99,7 @@ def methods() -> None:
     table.add_column("settings (default)")
     for name in method_names():
         cfg = method_class(name).Config
-        table.add_row(name, ", ".join(f"{k}={f.default}" for k, f in cfg.model_fields.items()))
+        table.add_row(name, ", ".join(f"{k}={_typed(f.default)}" for k, f in cfg.model_fields.items()))
     stdout.print(table)
 
 

@@ -81,7 +81,7 @@ def measure_command(
     calib: Path = typer.Option(..., "--calib", help="Calibration text: file, folder or saved dataset."),
     candidates: str = typer.Option(
         "w2g64,w3g128,w4g128,w8", "--candidates",
-        help="Integer grids (w<bits>g<group>, w<bits> per channel) or GGML types (q2_k,q3_k,q4_k,q5_k,q6_k,q8_0).",
+        help="Integer grids (w<bits>g<group>, w<bits> per channel) or single GGML types (e.g. q2_k,q3_k,q4_k,q5_k,q6_k,q8_0; no mixes).",
     ),
     output: Path = typer.Option(..., "-o", "--output", help="Sensitivity JSON; an existing one is extended (only missing candidates are measured)."),
     method: str = typer.Option("gptq", "--method", help="How candidates are applied: gptq or rtn."),

@@ -6,21 +6,21 @@ import typer
 
 JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON on stdout instead of tables.")
 DEVICE_OPT = typer.Option("cpu", "--device", help="Compute device: cpu or cuda.")
-# Options shared by the compressing commands (quantize, prune).
-MODEL_ARG = typer.Argument(..., help="Local Hugging Face checkpoint directory.")
+# Options shared by the commands that read a checkpoint and write an output (quantize, prune, export, imatrix, measure).
+MODEL_ARG = typer.Argument(..., help="Checkpoint directory (Hugging Face layout), or a .gguf file (converted to float32 first).")
 OUTPUT_OPT = typer.Option(..., "-o", "--output", help="Output directory (written atomically).")
 CALIB_OPT = typer.Option(None, "--calib", help="Calibration text: file, folder or saved dataset.")
-SAMPLES_OPT = typer.Option(128, "--samples", help="Calibration samples.")
+SAMPLES_OPT = typer.Option(128, "--samples", help="Calibration windows (all that fit where the text holds fewer, said in one line).")
 SEQ_LEN_OPT = typer.Option(512, "--seq-len", help="Tokens per calibration sample.")
 ACTIVATION_MEMORY_OPT = typer.Option(
     None, "--activation-memory",
-    help="Keep at most this much of a block's calibration inputs in memory (e.g. 4GB); the rest wait on disk next to the output.",
+    help="With --calib: keep at most this much of a block's calibration inputs in memory (e.g. 4GB); the rest wait in an unnamed file beside the output.",
 )
 EXCLUDE_OPT = typer.Option([], "--exclude", help="Regex of layer names to leave alone.")
 EVAL_TEXT_OPT = typer.Option(None, "--eval-text", help="Afterwards, measure ppl and KLD vs the input on this text.")
 OVERWRITE_OPT = typer.Option(False, "--overwrite", help="Replace an existing output directory.")
 RESUME_OPT = typer.Option(
-    False, "--resume", help="Continue a killed run of this output from its first unfinished block (same command, same inputs).",
+    False, "--resume", help="Continue a killed run of this output after the last block it recorded (same command, same inputs).",
 )
 TRUST_REMOTE_CODE_OPT = typer.Option(False, "--trust-remote-code", help="Allow the checkpoint's own model code.")
 FORMAT_OPT = typer.Option(

@@ -26,7 +26,8 @@ def _split(values: str | None, kind: type, option: str) -> tuple:
     try:
         return tuple(kind(v) for v in values.split(",") if v.strip())
     except ValueError:
-        raise CompressError(f"{option} {values!r} is not a comma-separated list of {kind.__name__}s, e.g. {option} 2,3,4") from None
+        example = {"--group-size": "64,128", "--sparsity": "0.25,0.5"}.get(option, "2,3,4")
+        raise CompressError(f"{option} {values!r} is not a comma-separated list of {kind.__name__}s: give e.g. {option} {example}") from None
 
 
 def _print_report(report: dict, files: dict[str, Path]) -> None:
@@ -57,7 +58,7 @@ def _lm_eval_extra(report: dict, tasks: list[str], limit: Optional[int], device:
 
 def report_command(
     outputs: list[Path] = typer.Argument(..., help="Compressed outputs: checkpoint directories and/or .gguf files."),
-    baseline: Path = typer.Option(..., "--baseline", help="The uncompressed model they came from."),
+    baseline: Path = typer.Option(..., "--baseline", help="The uncompressed model they came from (a checkpoint directory)."),
     text: Path = typer.Option(..., "--text", help="UTF-8 evaluation text."),
     output: Path = typer.Option(Path("report"), "-o", "--output", help="Folder for report.md/.html/.json/.png."),
     ctx: int = typer.Option(512, "--ctx", help="Window length in tokens."),
@@ -107,12 +108,12 @@ def _enums(gguf_backend: str, x_axis: str, y_axis: str):
 
 
 def sweep_command(
-    model: Path = typer.Argument(..., help="Local Hugging Face checkpoint directory."),
+    model: Path = typer.Argument(..., help="Checkpoint directory (Hugging Face layout)."),
     output: Path = typer.Option(..., "-o", "--output", help="Sweep folder: one sub-folder per point, report files, sweep.json."),
     text: Path = typer.Option(..., "--text", help="Evaluation text for every point and the report."),
     methods: str = typer.Option("rtn,gptq", "--methods", help="Comma-separated methods, e.g. rtn,gptq,awq,wanda."),
     bits: Optional[str] = typer.Option(None, "--bits", help="Bit widths, e.g. 2,3,4,8 (quantizers)."),
-    group_size: Optional[str] = typer.Option(None, "--group-size", help="Group sizes, e.g. 64,128 (-1: per channel)."),
+    group_size: Optional[str] = typer.Option(None, "--group-size", help="Group sizes, e.g. 64,128 (-1: per channel); unset: each method's default, auto."),
     sparsity: Optional[str] = typer.Option(None, "--sparsity", help="Sparsities, e.g. 0.25,0.5 (pruners)."),
     calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text (methods that need data)."),
     samples: int = typer.Option(128, "--samples", help="Calibration samples."),
@@ -166,7 +167,7 @@ def lm_eval_command(
     device: str = typer.Option("cpu", "--device", help="Compute device: cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print the scores as JSON."),
 ) -> None:
-    """Run lm-evaluation-harness tasks on our loaded model (offline; shipped task: shakespeare_lastword)."""
+    """Run lm-evaluation-harness tasks on our loaded model (offline; shipped tasks: shakespeare_lastword, shakespeare_lastword_mc)."""
     from compress.eval.lm_eval_task import run_lm_eval
 
     scores = run_lm_eval(model, list(_split(tasks, str, "--tasks")), limit, batch_size, device, include_path, num_fewshot)

@@ -21,9 +21,10 @@ import torch
 
 
 def scratch_beside(output: Path) -> Path | None:
-    """Where a run writing ``output`` keeps block inputs beyond its budget: the output's folder (the disk the
-    output goes to, not a possibly memory-backed system temporary folder), else the system's temporary folder."""
-    return output.parent if output.parent.is_dir() else None
+    """Where a run writing ``output`` keeps block inputs beyond its budget: the output's folder, or its nearest
+    existing ancestor while the run has not made it yet (the disk the output goes to, not a possibly memory-backed
+    system temporary folder), else the system's temporary folder."""
+    return next((folder for folder in output.absolute().parents if folder.is_dir()), None)
 
 
 @dataclass(frozen=True)

@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 
 RECORD_VERSION = 3  # 2: inputs in a folder of per-batch files; 3: per process
 # the most of a run's time its progress records may take (see `BlockJournal.block_done`): 2 %, so a record follows
-# at least 50x its write time of work (until stop 53 5 %: on GPTQ of SmolLM2's first 8 blocks, 2 s blocks and 50 ms
-# records, every block was recorded, 0.44 s of a 16 s run)
+# at least 50x its write time of work (GPTQ on SmolLM2's first 8 blocks: 2 s blocks and 50 ms records, so a record
+# every few blocks rather than 0.44 s of a 16 s run on a record after every block)
 RECORD_SHARE = 0.02
 # the only classes a state file may hold besides tensors and containers (torch.load weights_only)
 SAFE_CLASSES = [PackedLayer, QuantScheme, FloatScheme, FloatFormat, FloatGrid, LayerReport]

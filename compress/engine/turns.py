@@ -9,11 +9,10 @@ the next one, and the last to arrive transforms the group), each temporary is a 
 where the next chunk reuses its pages.
 
 A forward pass cannot be paused and resumed by plain Python code, so each chunk's runs in a greenlet of its own (a
-stack of its own, switched on one thread). Until stop 53 each ran in a thread of its own, one at a time, but each
-thread then drove an OpenMP team of its own, and handing the cores from one team to the next cost: a Gram sum of 5
-windows of 512 ran 8.4 ms on one thread and 12.4 ms on two threads taking turns (576 wide; 1536 wide 46.8 -> 56.8
-ms), and GPTQ's statistics sums on SmolLM2's first 8 blocks took 4.3 s in the threads and 3.5-3.6 s in greenlets.
-On one thread every chunk's operations run on the same team, and Ctrl-C reaches whichever chunk runs.
+stack of its own, switched on one thread). Not threads taking turns: each thread would drive an OpenMP team of its
+own, and handing the cores from one team to the next costs (a Gram sum of 5 windows of 512, 576 wide: 8.4 ms on one
+thread, 12.4 ms on two threads taking turns). On one thread every chunk's operations run on the same team, and
+Ctrl-C reaches whichever chunk runs.
 
 The tasks share the thread's state: torch's thread-local modes (inference mode, grad mode) are the caller's, so
 a task must not change them across a hand-over (enter them around `take_turns`, not inside a task).

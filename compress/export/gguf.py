@@ -47,7 +47,7 @@ from compress import __version__
 from compress.checkpoints.background import Background
 from compress.checkpoints.integrity import sidecar_manifest, write_file_manifest
 from compress.checkpoints.model_io import open_model
-from compress.checkpoints.output import OutputLock, check_outside_input, disk_error, run_inputs
+from compress.checkpoints.output import OutputLock, check_outside_input, disk_error, remove_superseded, run_inputs
 from compress.checkpoints.shards import CheckpointReader
 from compress.errors import CompressError
 from compress.export.encoding_pool import Pending, export_encoder, read_ahead
@@ -179,7 +179,7 @@ def _guarded_output(out: Path, overwrite: bool):
     file's), so the manifest never describes another file than the one renamed into place."""
     lock = OutputLock(out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    lock.acquire()
+    stale = lock.acquire()
     if out.exists() and not overwrite:  # written by another run while this one was working
         lock.release()
         raise CompressError(f"{out} exists: pass --overwrite to replace it, or choose another -o")
@@ -193,6 +193,7 @@ def _guarded_output(out: Path, overwrite: bool):
     try:
         yield finish
         os.replace(pending, manifest)
+        remove_superseded(stale, out)
     except OSError as exc:
         error = disk_error(out, exc)
         if error is None:

@@ -70,7 +70,7 @@ def resolve_auto_group_sizes(recipe: Recipe, handle) -> tuple[Recipe, list[str]]
     block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
     stages, notes = [], []
     for index, spec in enumerate(recipe.stages):
-        if spec.method_config().get("group_size") != "auto":
+        if not spec.build().config.wants_auto_group_size():
             stages.append(spec)
             continue
         layers = quantizable_layers(handle.model, block_names, spec.include, spec.exclude)

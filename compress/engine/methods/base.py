@@ -28,6 +28,10 @@ class MethodConfig(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
+    def wants_auto_group_size(self) -> bool:
+        """The method quantizes in groups whose size is ``auto``, for the runner to choose from the layers."""
+        return getattr(self, "group_size", None) == "auto"
+
 
 class SolverConfig(MethodConfig):
     """Settings shared by the second-order solvers (GPTQ, SparseGPT, GPTQ in GGUF grids)."""

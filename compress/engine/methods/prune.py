@@ -89,7 +89,9 @@ class Wanda(_Pruner):
 
 class SparseGPTMethodConfig(PruneConfig, SolverConfig):  # block_size is also the unstructured mask's column block
     bits: Optional[int] = Field(None, ge=MIN_BITS, le=MAX_BITS, description="joint mode: also quantize kept weights (None: no)")
-    group_size: GroupSize = Field(128, description="joint mode: columns per scale/zero group; -1 per output channel; auto")
+    group_size: GroupSize = Field(
+        "auto", description="joint mode: columns per scale/zero group; -1 per output channel; auto: the largest of 128, 64, 32 "
+        "dividing every selected layer")
     symmetric: bool = Field(True, description="joint mode: symmetric grid")
 
     @model_validator(mode="after")
@@ -100,6 +102,9 @@ class SparseGPTMethodConfig(PruneConfig, SolverConfig):  # block_size is also th
 
     def scheme(self) -> QuantScheme | None:
         return None if self.bits is None else QuantScheme(self.bits, self.symmetric, self.group_size)
+
+    def wants_auto_group_size(self) -> bool:
+        return self.bits is not None and super().wants_auto_group_size()  # pruning alone has no groups
 
 
 @register_method("sparsegpt")

@@ -28,7 +28,9 @@ class WeightQuantConfig(MethodConfig):
     """The weight grid shared by weight quantizers: bits, group size, symmetry."""
 
     bits: int = Field(4, ge=MIN_BITS, le=MAX_BITS, description="bit width of the weight codes")
-    group_size: GroupSize = Field(128, description="columns per scale/zero group; -1 for one group per output channel; auto")
+    group_size: GroupSize = Field(
+        "auto", description="columns per scale/zero group; -1 for one group per output channel; auto: the largest of 128, 64, 32 "
+        "dividing every selected layer")
     symmetric: bool = Field(True, description="symmetric grid (zero point at the middle code)")
 
     def scheme(self) -> QuantScheme:

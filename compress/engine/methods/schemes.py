@@ -18,7 +18,7 @@ class SchemeName(str, enum.Enum):
     NVFP4A16 = "nvfp4a16"  # NVFP4 weights only
     MXFP4 = "mxfp4"  # MXFP4 weights and dynamic MXFP4 activations
     MXFP4A16 = "mxfp4a16"  # MXFP4 weights only
-    W4A16 = "w4a16"  # int4, group 128, symmetric, weights only
+    W4A16 = "w4a16"  # int4, group auto (128 where it divides), symmetric, weights only
     W8A8_INT8 = "w8a8-int8"  # int8 per-channel weights, int8 per-token dynamic activations
 
 
@@ -29,7 +29,7 @@ SCHEMES: dict[SchemeName, dict[str, Any]] = {
     SchemeName.NVFP4A16: {"grid": "nvfp4", "group_size": 16},
     SchemeName.MXFP4: {"grid": "mxfp4", "group_size": 32, "activations": "mxfp4"},
     SchemeName.MXFP4A16: {"grid": "mxfp4", "group_size": 32},
-    SchemeName.W4A16: {"bits": 4, "group_size": 128, "symmetric": True},
+    SchemeName.W4A16: {"bits": 4, "group_size": "auto", "symmetric": True},
     SchemeName.W8A8_INT8: {"bits": 8, "group_size": -1, "symmetric": True, "activations": "int8-token"},
 }
 

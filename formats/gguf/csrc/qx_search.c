@@ -1,6 +1,6 @@
 /* ggml's make_qx_quants (rmse_type 1) scale search, compiled: compress.formats.gguf._common.make_qx_quants's numpy
    procedure, the same float32 operations in the same order (built with -ffp-contract=off, no fast-math), so the
-   chosen scales are those bit for bit, and so are the bytes the encoders write (tests/formats/test_gguf_native.py).
+   chosen scales are those bit for bit, and so are the bytes the encoders write (tests/formats/gguf/test_native_search.py).
 
    Groups are taken TILE at a time, transposed so that each operation runs across the tile's groups (vectorised)
    while each group's sums still run over its values left to right, as ggml's scalar loops and the numpy version do.

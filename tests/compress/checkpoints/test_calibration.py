@@ -222,14 +222,23 @@ def test_empty_jsonl_records(tmp_path):
     assert "empty" in one_line_error(load_calibration_text, p)
 
 
-def test_too_few_tokens_reports_counts(tiny_tokenizer, calib_text):
+def test_too_few_tokens_takes_every_window_and_says_so(tiny_tokenizer, calib_text, caplog):
+    """As llm-compressor takes min(samples, len(dataset)): all the windows that fit, with one warning line."""
     text = calib_text[:2000]
-    have = len(_stream(tiny_tokenizer, text))
+    ids = _stream(tiny_tokenizer, text)
     seq_len = 64
-    samples = have // seq_len + 1
-    msg = one_line_error(sample_calibration, tiny_tokenizer, text, samples, seq_len)
-    assert f"{have} tokens" in msg and str(samples * seq_len) in msg
-    assert "--samples" in msg and "--seq-len" in msg
+    n = len(ids) // seq_len
+    with caplog.at_level(logging.WARNING):
+        got = sample_calibration(tiny_tokenizer, text, n + 5, seq_len)
+    assert sorted(map(tuple, got.tolist())) == sorted(tuple(ids[k * seq_len:(k + 1) * seq_len]) for k in range(n))
+    assert f"calibration text has {len(ids)} tokens: {n} windows of {seq_len}, not {n + 5}" in caplog.text
+
+
+def test_less_than_one_window_reports_counts(tiny_tokenizer, calib_text):
+    text = calib_text[:200]
+    have = len(_stream(tiny_tokenizer, text))
+    msg = one_line_error(sample_calibration, tiny_tokenizer, text, 4, have + 1)
+    assert f"{have} tokens" in msg and f"one window of {have + 1}" in msg and "--seq-len" in msg
 
 
 @pytest.mark.parametrize(("samples", "seq_len", "flag"), [(0, 32, "--samples"), (-1, 32, "--samples"),

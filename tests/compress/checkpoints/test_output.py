@@ -1,5 +1,5 @@
 """Tests for compress.checkpoints.output: continuing a killed run's temporary directory (``resume``), and how
-stale temporary directories are reported without it. (Locks, signals and full disks: tests/compress/cli/test_faults.py.)"""
+stale temporary directories are reported without it, and removed once a run completes the output. (Locks, signals and full disks: tests/compress/cli/test_faults.py.)"""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def _killed_run(folder, name: str, pid: int, block: int | None) -> os.PathLike:
     return tmp
 
 
-def test_resume_takes_the_latest_recorded_run_and_reports_the_others(tmp_path, caplog):
+def test_resume_takes_the_latest_recorded_run_and_removes_the_others_once_complete(tmp_path, caplog):
     older = _killed_run(tmp_path, "out", 999_991, 0)
     past = time.time() - 60
     os.utime(older / PROGRESS / PROGRESS_RECORD, (past, past))
@@ -37,7 +37,8 @@ def test_resume_takes_the_latest_recorded_run_and_reports_the_others(tmp_path, c
         assert (tmp / "shard-00000.data").read_bytes() == b"x" * 8 and resumable(tmp)  # the killed run's files, kept
         assert not newer.exists()
         (tmp / PROGRESS / PROGRESS_RECORD).unlink()
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["out", older.name, unrecorded.name])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # superseded by the complete output
+    assert f"removed 2 left by interrupted runs of {tmp_path / 'out'}, superseded by this one: {older.name}, {unrecorded.name}" in caplog.text
     assert f"{older} was left by an interrupted run and is not used; continue it with the same command and --resume" in caplog.text
     assert f"{unrecorded} was left by an interrupted run and is not used; remove it with: rm -rf {unrecorded}" in caplog.text
 
@@ -71,6 +72,19 @@ def test_without_resume_a_recorded_run_is_reported_with_both_commands(tmp_path, 
     killed = _killed_run(tmp_path, "out", 999_991, 1)
     with caplog.at_level(logging.WARNING), OutputDir(tmp_path / "out") as tmp:
         assert not resumable(tmp)  # a fresh directory: the killed run's progress is never silently reused
-    assert killed.is_dir()
+        assert killed.is_dir()  # kept while this run may still fail
+    assert not killed.exists() and "removed 1 left by interrupted runs" in caplog.text
     assert (f"{killed} was left by an interrupted run and is not used; continue it with the same command and --resume, "
             f"or remove it with: rm -rf {killed}") in caplog.text
+
+
+def test_a_failed_run_removes_nothing_and_a_live_pid_is_kept(tmp_path, caplog):
+    dead = _killed_run(tmp_path, "out", 999_991, None)
+    live = _killed_run(tmp_path, "out", os.getppid(), None)  # a process that exists: never removed
+    with pytest.raises(RuntimeError), OutputDir(tmp_path / "out"):
+        raise RuntimeError("the run fails")
+    assert dead.is_dir() and live.is_dir()
+    with caplog.at_level(logging.WARNING), OutputDir(tmp_path / "out"):
+        pass
+    assert not dead.exists() and live.is_dir()
+    assert f"removed 1 left by interrupted runs of {tmp_path / 'out'}, superseded by this one: {dead.name}" in caplog.text

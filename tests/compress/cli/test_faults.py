@@ -177,6 +177,7 @@ def test_sigkill_never_leaves_a_partial_output(tmp_path, tiny_llama, forked, com
     assert rerun.exitcode == 0, report
     for name in left:
         assert f"{tmp_path / name} was left by an interrupted run" in report and f"rm -rf {tmp_path / name}" in report
+        assert not (tmp_path / name).exists()  # superseded by the rerun's complete output
     verify(final)
     assert _weights(_digests(final)) == complete
     print(f"{command}: a complete run took {seconds:.1f} s; killed runs left {left or 'nothing'}")
@@ -195,6 +196,7 @@ def test_a_kill_while_writing_is_reported_by_the_next_run(tmp_path, tiny_llama, 
     rerun.join(300)
     report = (tmp_path / "rerun.txt").read_text()
     assert rerun.exitcode == 0 and f"rm -rf {stale}" in report, report
+    assert not stale.exists() and f"superseded by this one: {stale.name}" in " ".join(report.split()), report
     verify(tmp_path / "out")
 
 
@@ -307,7 +309,7 @@ def test_without_resume_a_killed_run_is_reported_with_the_resume_command(tmp_pat
     assert rerun.exitcode == 0, report
     assert (f"{partial} was left by an interrupted run and is not used; continue it with the same command and --resume, "
             f"or remove it with: rm -rf {partial}") in " ".join(report.split()), report
-    assert _recorded_block(partial) == 0  # reported, never reused: the new run wrote its own directory
+    assert not partial.exists()  # reported, never reused, and removed once the new run's output is complete
     verify(tmp_path / "out")
 
 

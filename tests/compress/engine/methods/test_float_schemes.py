@@ -35,7 +35,7 @@ def test_schemes_expand_to_method_settings():
     assert (gptq.grid.value, gptq.bits, gptq.group_size, gptq.activations.value) == ("nvfp4", 4, 16, "nvfp4")
     assert (block.grid.value, block.group_size, block.block_rows, block.activations.value) == ("fp8", 128, 64, "fp8-group")
     assert (w8a8.grid.value, w8a8.bits, w8a8.group_size, w8a8.activations.value) == ("int", 8, -1, "int8-token")
-    assert (awq.bits, awq.group_size, awq.symmetric) == (4, 128, True)
+    assert (awq.bits, awq.group_size, awq.symmetric) == (4, "auto", True)  # 128 where it divides every layer
 
 
 STAGES = {
