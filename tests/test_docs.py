@@ -151,12 +151,10 @@ def test_real_model_quickstart_runs_on_truncated_smollm2(smollm2, tmp_path):
 
 # -- the CLI reference covers the CLI --------------------------------------------------------------------
 def _commands(group) -> list[str]:
-    """Every command path under a Click group, e.g. 'quantize', 'eval ppl'."""
-    import click
-
+    """Every command path under a (Typer's) Click group, e.g. 'quantize', 'eval ppl'."""
     names = []
     for name, command in sorted(group.commands.items()):
-        if isinstance(command, click.Group):
+        if hasattr(command, "commands"):  # a group: Typer carries its own copy of Click's classes
             names += [f"{name} {sub}" for sub in _commands(command)]
         else:
             names.append(name)

@@ -126,7 +126,7 @@ def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
 def quantize(
     model: Path = MODEL_ARG,
     output: Path = OUTPUT_OPT,
-    method: str = typer.Option("rtn", "--method", help="Quantization method: rtn, gptq, awq or smoothquant (see `compress methods`)."),
+    method: str = typer.Option("rtn", "--method", help="Method: rtn, gptq, awq, smoothquant, or any registered one (see `compress methods`)."),
     scheme: Optional[str] = typer.Option(
         None, "--scheme",
         help="Named scheme: fp8-dynamic, fp8-block, nvfp4, nvfp4a16, mxfp4, mxfp4a16, w4a16, w8a8-int8 (sets grid, group size, activations).",

@@ -13,7 +13,7 @@ from compress.cli.console import console, human_bytes, key_value_table, layer_li
 from compress.cli.options import DEVICE_OPT, EXCLUDE_OPT, JSON_OPT, MODEL_ARG, SAMPLES_OPT, SEQ_LEN_OPT
 
 TARGET_BPW_OPT = typer.Option(None, "--target-bpw", help="Plan: bits per weight of the planned layers (scales included).")
-TARGET_SIZE_OPT = typer.Option(None, "--target-size", help="Plan: total size, e.g. 2.1GB or 900MiB (what is not planned included).")
+TARGET_SIZE_OPT = typer.Option(None, "--target-size", help="Plan: total size of the weights, e.g. 2.1GB or 900MiB (what is not planned included; file headers not).")
 MAX_KLD_OPT = typer.Option(None, "--max-kld", help="Plan: the smallest size whose predicted KLD is at most this.")
 _BLOCK = re.compile(r"^(.*?)\.(\d+)\.(.+)$")
 

@@ -2,8 +2,8 @@
 
 The file is keyed by layer and candidate (`compress.run.plan`). A rerun with the same model, calibration,
 layer selection and solver settings measures only the candidates the file lacks and adds them; other
-settings are a one-line error (or start afresh with ``overwrite``). A candidate is written once all of
-its layers and its uniform KLD are measured, so an interrupted run loses only the candidates in flight.
+settings are a one-line error (or start afresh with ``overwrite``). The candidates are measured in one pass over
+the blocks and written when it ends: an interrupted run keeps what earlier runs wrote and loses its own.
 """
 
 from __future__ import annotations

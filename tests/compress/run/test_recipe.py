@@ -123,7 +123,7 @@ def test_valid_recipe_parses_into_typed_objects(tmp_path):
     assert [type(m) for m in methods] == [RTN, RTN]
     assert isinstance(methods[0].config, WeightQuantConfig)
     assert (methods[0].config.bits, methods[0].config.group_size, methods[0].config.symmetric) == (3, 64, False)
-    assert (methods[1].config.bits, methods[1].config.group_size, methods[1].config.symmetric) == (4, 128, True)
+    assert (methods[1].config.bits, methods[1].config.group_size, methods[1].config.symmetric) == (4, "auto", True)  # the defaults
     assert methods[0].name == "rtn"
     assert methods[0].record() == {"method": "rtn", "bits": 3, "group_size": 64, "symmetric": False}
 
