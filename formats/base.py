@@ -60,6 +60,11 @@ class PackFormat(ABC):
             return "GPT-2 Conv1D layers are not Linear layers to the loaders of this format"
         return None
 
+    def compute_dtype(self, packed: dict[str, PackedLayer]) -> torch.dtype | None:
+        """The dtype this format's loaders compute ``packed`` layers in, where they need one (the output's config.json
+        then records it); None where they compute in the checkpoint's own dtype."""
+        return None
+
     @abstractmethod
     def tensors(
         self, quant: QuantResult, dtype: torch.dtype, input_scale: torch.Tensor | None, activations: dict | None

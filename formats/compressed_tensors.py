@@ -32,7 +32,7 @@ from compress.errors import CompressError
 from compress.formats.base import PackedLayer, PackFormat, has_trivial_g_idx
 from compress.formats import ct_float
 from compress.formats.packing import pack, packed_length, unpack
-from compress.quantizers.float_grid import FloatScheme
+from compress.quantizers.float_grid import FloatFormat, FloatScheme
 from compress.quantizers.result import QuantResult
 
 PACK_QUANTIZED = "pack-quantized"
@@ -114,6 +114,12 @@ class CompressedTensorsFormat(PackFormat):
                     f"{record.get('method')}: W8A8 (int-quantized) needs 8-bit symmetric per-channel weights: "
                     "set bits=8, group_size=-1, symmetric=true"
                 )
+
+    def compute_dtype(self, packed: dict[str, PackedLayer]) -> torch.dtype | None:
+        # compressed-tensors unpacks FP4 codes to bfloat16 whatever the model's dtype (unpack_fp4_from_uint8's default),
+        # so a float32 or float16 model's first product with such a layer fails: FP4 layers are computed in bfloat16
+        fp4 = any(isinstance(layer.scheme, FloatScheme) and layer.scheme.grid.element is FloatFormat.E2M1 for layer in packed.values())
+        return torch.bfloat16 if fp4 else None
 
     def reason_not_packable(self, quant, conv1d, activations):
         reason = super().reason_not_packable(quant, conv1d, activations)

@@ -9,6 +9,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from compress import __version__
 from compress.checkpoints.calibration import load_calibration
 from compress.checkpoints.conversion import RenamingWriter
@@ -164,10 +166,15 @@ def _packed_on_disk(handle, packed: dict) -> dict:
     return {handle.names.disk_module(n) if handle.names else n: layer for n, layer in packed.items()}
 
 
-def _write_quantization_config(directory: Path, quantization_config: dict[str, Any]) -> None:
+def _write_quantization_config(directory: Path, quantization_config: dict[str, Any], dtype: torch.dtype | None) -> None:
+    """config.json's ``quantization_config``, and the ``dtype`` its loaders compute in where the format needs one (a
+    consumer loading with ``dtype="auto"`` takes it)."""
     path = directory / "config.json"
     config = json.loads(path.read_text())
     config["quantization_config"] = quantization_config
+    if dtype is not None:
+        name = str(dtype).removeprefix("torch.")
+        config.update({key: name for key in ("dtype", "torch_dtype") if key in config} or {"dtype": name})
     path.write_text(json.dumps(config, indent=2) + "\n")
 
 
@@ -255,7 +262,10 @@ def run_stages(
         qc = packer.config(_packed_on_disk(handle, engine.packed), dense) if engine.packed else None
         qc = with_kv_cache_scheme(qc, kv_scheme, dense)
         if qc is not None:
-            _write_quantization_config(tmp, qc)
+            compute = packer.compute_dtype(engine.packed) if engine.packed else None
+            _write_quantization_config(tmp, qc, compute)
+            if compute is not None and compute != getattr(handle.config, "dtype", None):
+                notes.append(f"config.json records dtype {str(compute).removeprefix('torch.')}, the dtype {packer.name} loaders compute its layers in")
         evaluation = None
         figures: dict[str, Any] = {}
         if recipe.evaluation is not None:
