@@ -2,10 +2,11 @@
 
     python bench/quality.py [--methods rtn,gptq,gptq:act_order=false] [--settings 8:128,4:-1,4:128,3:128,2:64]
                             [--text ../shared/corpus/shakespeare/test.txt] [--calib FILE --samples 64 --seq-len 512]
-                            [--model DIR|FILE.gguf] [--ctx 512] [--max-tokens N]
+                            [--model DIR|FILE.gguf] [--ctx 512] [--max-tokens N] [--rotations none,random-hadamard]
 
 One row per method and setting (bits:group_size, symmetric), with the figures `compress eval ppl` reports.
 Methods that need calibration data get ``--calib``; extra method settings follow a colon (``name:key=value``).
+``--rotations`` repeats every row after each fused rotation (`compress quantize --rotate KIND`; ``none``: without).
 """
 
 from __future__ import annotations
@@ -50,19 +51,21 @@ def main() -> None:
     ap.add_argument("--settings", default="8:128,4:-1,4:128,3:128,2:64")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
+    ap.add_argument("--rotations", default="none", help="comma-separated: none, hadamard, random-hadamard")
     args = ap.parse_args()
     settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
     print(f"model {args.model}, text {args.text}, ctx {args.ctx}; calibration {args.calib.name} "
           f"{args.samples}x{args.seq_len}")
-    print(f"{'method':<22}{'setting':<14}{'ppl':>9}{'ref ppl':>9}{'ppl +%':>9}{'mean KLD':>11}{'KLD p99':>9}{'time':>8}")
+    print(f"{'method':<22}{'rotation':<17}{'setting':<14}{'ppl':>9}{'ref ppl':>9}{'ppl +%':>9}{'mean KLD':>11}{'KLD p99':>9}{'time':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.methods.split(","):
             name, options = parse_method(spec)
             needs_data = bool(method_class(name)(method_class(name).Config(**options)).needs)
-            for bits, group in settings:
+            for (bits, group), rotation in ((s, r) for s in settings for r in args.rotations.split(",")):
+                rotate = [] if rotation == "none" else [{"method": "rotate", "kind": rotation}]
                 data = {
                     "model": args.model,
-                    "stages": [{"method": name, "bits": bits, "group_size": group, **options}],
+                    "stages": rotate + [{"method": name, "bits": bits, "group_size": group, **options}],
                     "output": {"path": Path(tmp) / "out", "overwrite": True},
                     "evaluation": {"text": args.text, "ctx": args.ctx, "max_tokens": args.max_tokens},
                 }
@@ -71,7 +74,7 @@ def main() -> None:
                 start = time.perf_counter()
                 ev = run_recipe(parse_recipe(data)).evaluation
                 setting = f"w{bits} " + ("per-chan" if group == -1 else f"g{group}")
-                print(f"{spec:<22}{setting:<14}{ev.perplexity:>9.3f}{ev.ref_perplexity:>9.3f}"
+                print(f"{spec:<22}{rotation:<17}{setting:<14}{ev.perplexity:>9.3f}{ev.ref_perplexity:>9.3f}"
                       f"{100 * (ev.perplexity / ev.ref_perplexity - 1):>8.2f}%{ev.kld:>11.5f}{ev.kld_p99:>9.4f}"
                       f"{time.perf_counter() - start:>7.0f}s", flush=True)
 

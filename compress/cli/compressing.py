@@ -31,6 +31,7 @@ from compress.cli.options import (
     OUTPUT_OPT,
     OVERWRITE_OPT,
     RESUME_OPT,
+    ROTATE_OPT,
     SAMPLES_OPT,
     ACTIVATION_MEMORY_OPT,
     SEQ_LEN_OPT,
@@ -95,9 +96,10 @@ def _execute(recipe, as_json: bool) -> None:
 
 def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
     """Build the one-stage recipe of a compressing command from its options, and run it."""
+    rotation = [{"method": "rotate", "kind": args["rotate"]}] if args.get("rotate") is not None else []
     data: dict[str, Any] = {
         "model": args["model"],
-        "stages": [{**stage, "include": args["include"], "exclude": args["exclude"], **parse_options(args["option"])}],
+        "stages": rotation + [{**stage, "include": args["include"], "exclude": args["exclude"], **parse_options(args["option"])}],
         "output": {
             "path": args["output"],
             "overwrite": args["overwrite"],
@@ -136,6 +138,7 @@ def quantize(
         None, "--group-size", help="Columns per scale group; -1 for per channel; auto (default): the largest of 128/64/32 dividing every selected layer.",
     ),
     symmetric: Optional[bool] = typer.Option(None, "--sym/--asym", help="Symmetric or asymmetric grid (default symmetric)."),
+    rotate: Optional[str] = ROTATE_OPT,
     output_format: str = FORMAT_OPT,
     calib: Optional[Path] = CALIB_OPT,
     samples: int = SAMPLES_OPT,
@@ -188,6 +191,7 @@ def prune(
     target_params: Optional[str] = typer.Option(
         None, "--target-params", help="Structured: scale MLP and hidden widths to at most this many parameters, e.g. 90M.",
     ),
+    rotate: Optional[str] = ROTATE_OPT,
     output_format: str = FORMAT_OPT,
     calib: Optional[Path] = CALIB_OPT,
     samples: int = SAMPLES_OPT,

@@ -42,3 +42,7 @@ def parse_options(options: list[str]) -> dict[str, Any]:
             raise CompressError(f"option {item!r} is not KEY=VALUE: write e.g. -O act_order=true")
         parsed[key.strip()] = yaml.safe_load(value)
     return parsed
+ROTATE_OPT = typer.Option(
+    None, "--rotate",
+    help="First fuse a rotation into the weights (same function, outliers spread): hadamard or random-hadamard.",
+)

@@ -17,12 +17,15 @@ from compress.eval.checkpoint import evaluate_checkpoint
 
 
 def check_reshaping_stages(recipe, methods: list) -> CheckpointMethod | None:
-    """The recipe's shape-changing method, if it has one; it must be the only stage, on the whole model."""
+    """The recipe's checkpoint-rewriting method, if it has one, on the whole model: one that changes the shapes must be
+    the only stage; one that keeps them runs first (`compress.run.runner` runs the others on its output)."""
     reshaping = [i for i, m in enumerate(methods) if isinstance(m, CheckpointMethod)]
     if not reshaping:
         return None
     index = reshaping[0]
     name = methods[index].name
+    if len(methods) > 1 and methods[index].keeps_shapes:
+        raise CompressError(f"stage {index + 1} ({name}) rewrites the whole checkpoint for the stages after it: make it stage 1")
     if len(methods) > 1:
         raise CompressError(
             f"stage {index + 1} ({name}) changes the model's shapes, so it must be the only stage: run the other stages "
@@ -30,7 +33,7 @@ def check_reshaping_stages(recipe, methods: list) -> CheckpointMethod | None:
         )
     spec = recipe.stages[index]
     if spec.include or spec.exclude:
-        raise CompressError(f"stage {index + 1} ({name}) prunes the whole model: drop include/exclude")
+        raise CompressError(f"stage {index + 1} ({name}) rewrites the whole model: drop include/exclude")
     if recipe.kv_cache is not None:  # the scales are calibrated on the block engine, which a reshaping run bypasses
         raise CompressError(f"stage {index + 1} ({name}) writes a new checkpoint without KV-cache scales: drop kv_cache, "
                             "and calibrate them on its output with a second command (compress quantize --kv-cache)")
@@ -45,7 +48,7 @@ def run_reshaping(recipe, method: CheckpointMethod, record: dict, progress: Prog
     device = resolve_device(recipe.device.value)
     handle = open_model(recipe.model, recipe.trust_remote_code)
     if getattr(handle.config, "quantization_config", None):
-        raise CompressError(f"{recipe.model} is already quantized (quantization_config in config.json): prune the original checkpoint")
+        raise CompressError(f"{recipe.model} is already quantized (quantization_config in config.json): start from the original checkpoint")
     cal = recipe.calibration
     calibration = None
     if cal is not None:

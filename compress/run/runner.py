@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import os
+import tempfile
+from pathlib import Path
+
 from compress.checkpoints.gguf_source import checkpoint_source, is_gguf_file
 from compress.engine.block_engine import LayerFn, ProgressFn
+from compress.errors import CompressError
 from compress.run.compression import RunResult, run_stages
 from compress.run.distill import DistillResult, run_distill_recipe
-from compress.run.recipe import Recipe
+from compress.run.recipe import OutputSpec, Recipe
 
 
 def run_recipe(
@@ -14,12 +19,37 @@ def run_recipe(
     window_chunks: bool = False,
 ) -> RunResult | DistillResult:
     """Compress ``recipe.model`` as described and write ``recipe.output.path`` atomically. A GGUF file as
-    the model is converted to a float checkpoint in a scratch directory first (removed afterwards).
+    the model is converted to a float checkpoint in a scratch directory first (removed afterwards), and so is a
+    first stage that rewrites the checkpoint keeping its shapes (a rotation) when stages follow it.
     ``window_chunks``: the engine's one pass in chunks of windows (`compress.engine.block_engine.Engine`; the
     ``compress`` command asks for it where it runs under `compress.cli.allocator.CALIBRATING`)."""
     if is_gguf_file(recipe.model):
         with checkpoint_source(recipe.model, progress) as converted:
             return run_recipe(recipe.with_converted_model(converted), progress, command, on_layer, window_chunks)
+    if len(recipe.stages) > 1 and getattr(recipe.stages[0].build(), "keeps_shapes", False):
+        return _after_rewrite(recipe, progress, command, on_layer, window_chunks)
     if recipe.distill is not None:  # the stages (if any), then distillation into their result
         return run_distill_recipe(recipe, progress, command, on_layer)
     return run_stages(recipe, progress, command, on_layer, window_chunks)
+
+
+def _after_rewrite(recipe: Recipe, progress, command, on_layer, window_chunks) -> RunResult | DistillResult:
+    """The first stage into a scratch checkpoint beside the output (a temporary name the next run of this output
+    reports if this one is killed), then the others on it; the output's record keeps the first in its history."""
+    if recipe.resume:
+        raise CompressError(f"--resume: stage 1 ({recipe.stages[0].method}) rewrites the checkpoint before the others, "
+                            "which records no progress: run without --resume")
+    out = recipe.output.path
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp-{os.getpid()}-") as scratch:
+        model = Path(scratch) / "model"
+        first = recipe.model_copy(update={
+            "stages": recipe.stages[:1], "output": OutputSpec(path=model), "evaluation": None, "export": None,
+            "kv_cache": None, "distill": None,
+        })
+        rewritten = run_stages(first, progress, command)
+        rest = recipe.model_copy(update={"stages": recipe.stages[1:]}).with_converted_model(model)
+        result = run_recipe(rest, progress, command, on_layer, window_chunks)
+    if isinstance(result, RunResult):
+        result.notes[:0] = rewritten.notes
+    return result

@@ -189,8 +189,11 @@ class Rewritten:
 
 
 class CheckpointMethod(Method):
-    """A method that changes the model's shapes (structured pruning). It cannot transform blocks in place
-    on the engine: it reads the checkpoint and writes a new one, so it runs as a recipe's only stage."""
+    """A method that rewrites the whole checkpoint (structured pruning, rotations). It cannot transform blocks in
+    place on the engine: it reads the checkpoint and writes a new one. One that changes the model's shapes runs as
+    a recipe's only stage; one that ``keeps_shapes`` runs first, and the stages after it run on its output."""
+
+    keeps_shapes: ClassVar[bool] = False
 
     def rewrite(self, handle, calibration: torch.Tensor | None, directory, device: torch.device, batch_size: int,
                 progress: Callable[[str, int, int], None] | None = None) -> Rewritten:

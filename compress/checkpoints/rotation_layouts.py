@@ -1,0 +1,54 @@
+"""Architecture data for fused rotations: which tensors read the residual stream, which add to it, and which
+norms stand between (names relative to a block unless outer). A model type without an entry is refused,
+with the reason where one is known."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping
+
+from compress.errors import CompressError
+
+
+@dataclass(frozen=True)
+class RotationLayout:
+    embeddings: str  # outer [vocab, hidden]: read the stream's first value
+    final_norm: str  # outer RMSNorm weight before the output layer
+    head: str  # outer output layer [vocab, hidden]
+    norms: Mapping[str, tuple[str, ...]]  # block RMSNorm weight -> the linear weights reading its output
+    writers: tuple[str, ...]  # block linear weights adding to the stream (their biases follow them)
+    values: str  # the value projection's weight (R2: rows by head)
+    mixer: str  # the output projection's weight (R2: columns by head)
+    untouched: tuple[str, ...] = ()  # block tensors the stream does not reach (per-head q/k norms)
+    norm_offset: float = 0.0  # the norms scale by offset + weight
+
+
+_ATTN, _MLP = "self_attn", "mlp"
+_LLAMA = RotationLayout(
+    embeddings="model.embed_tokens.weight", final_norm="model.norm.weight", head="lm_head.weight",
+    norms={"input_layernorm.weight": (f"{_ATTN}.q_proj.weight", f"{_ATTN}.k_proj.weight", f"{_ATTN}.v_proj.weight"),
+           "post_attention_layernorm.weight": (f"{_MLP}.gate_proj.weight", f"{_MLP}.up_proj.weight")},
+    writers=(f"{_ATTN}.o_proj.weight", f"{_MLP}.down_proj.weight"),
+    values=f"{_ATTN}.v_proj.weight", mixer=f"{_ATTN}.o_proj.weight",
+    untouched=(f"{_ATTN}.q_norm.weight", f"{_ATTN}.k_norm.weight"),
+)
+ROTATION_LAYOUTS: dict[str, RotationLayout] = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA}
+
+# why a known family cannot take a fused rotation
+_REFUSED = {
+    "gpt2": "its LayerNorms subtract the mean over the hidden channels, which a rotation does not preserve",
+    "opt": "its LayerNorms subtract the mean over the hidden channels, which a rotation does not preserve",
+    "gpt_neox": "its LayerNorms subtract the mean over the hidden channels, which a rotation does not preserve",
+    "bloom": "its LayerNorms subtract the mean over the hidden channels, which a rotation does not preserve",
+    "falcon": "its LayerNorms subtract the mean over the hidden channels, which a rotation does not preserve",
+    "gemma2": "its norms after attention and MLP scale the stream's additions, which no weight before them can take",
+    "gemma3_text": "its norms after attention and MLP scale the stream's additions, which no weight before them can take",
+}
+
+
+def rotation_layout(model_type: str) -> RotationLayout:
+    if model_type in ROTATION_LAYOUTS:
+        return ROTATION_LAYOUTS[model_type]
+    why = _REFUSED.get(model_type, "no rotation layout is known for it")
+    raise CompressError(f"cannot fuse a rotation into model_type {model_type!r}: {why} "
+                        f"(rotations fuse into: {', '.join(sorted(ROTATION_LAYOUTS))})")

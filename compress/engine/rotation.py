@@ -1,0 +1,87 @@
+"""A checkpoint with a rotation fused into its weights (`compress.quantizers.rotation`), written tensor by tensor:
+R1 on the residual stream (every norm's scale folded into the layers that read it), R2 on each head's values.
+Which tensor plays which part is the architecture's `RotationLayout`; a tensor it does not name is an error,
+never silently copied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from compress.checkpoints.model_io import ModelHandle
+from compress.checkpoints.rotation_layouts import RotationLayout
+from compress.checkpoints.shards import ShardedWriter
+from compress.engine.structured import stored_parameters
+from compress.errors import CompressError
+from compress.quantizers.rotation import (fold_norm, rotate_head_columns, rotate_head_rows, rotate_reader, rotate_writer,
+                                          unit_norm)
+
+
+class Rotator:
+    """The rotated value of each stored tensor of ``handle``: ``q [hidden, hidden]`` (R1), ``r [head_dim, head_dim]``
+    (R2) or None."""
+
+    def __init__(self, handle: ModelHandle, layout: RotationLayout, q: torch.Tensor, r: torch.Tensor | None):
+        self.handle, self.layout, self.q, self.r = handle, layout, q, r
+        self.reads = {reader: norm for norm, readers in layout.norms.items() for reader in readers}
+
+    def _get(self, name: str) -> torch.Tensor:
+        return self.handle.reader.get(self.handle.checkpoint_key(name))
+
+    def head_from(self, source: str) -> torch.Tensor:
+        """The output layer from ``source`` (itself, or the embeddings it is tied to), final norm folded, rotated."""
+        gamma = self._get(self.layout.final_norm)
+        return rotate_reader(fold_norm(self._get(source), gamma, self.layout.norm_offset), self.q)
+
+    def tensor(self, name: str) -> torch.Tensor:
+        lay, blocks = self.layout, self.handle.blocks_name + "."
+        if not name.startswith(blocks):
+            if name == lay.embeddings:
+                return rotate_reader(self._get(name), self.q)
+            if name == lay.final_norm:
+                return unit_norm(self._get(name), lay.norm_offset)
+            if name == lay.head:
+                return self.head_from(name)
+            raise CompressError(f"a rotation does not know where {name} sits in the residual stream: "
+                                "add it to compress/checkpoints/rotation_layouts.py")
+        prefix, _, rel = name[len(blocks):].partition(".")
+        prefix = blocks + prefix + "."
+        weight = rel.removesuffix(".bias") + ".weight" if rel.endswith(".bias") else rel
+        value = self._get(name)
+        if rel in lay.norms:
+            return unit_norm(value, lay.norm_offset)
+        if rel in self.reads:  # a reader's weight: its norm's scale, then the stream's rotation; its bias is unchanged
+            value = rotate_reader(fold_norm(value, self._get(prefix + self.reads[rel]), lay.norm_offset), self.q)
+        elif weight in self.reads:
+            pass
+        elif weight in lay.writers:  # a writer's weight or bias; the output projection's columns first take R2
+            if self.r is not None and rel == lay.mixer:
+                value = rotate_head_columns(value, self.r)
+            value = rotate_writer(value, self.q)
+        elif rel not in lay.untouched:
+            raise CompressError(f"a rotation does not know where {name} sits in the residual stream: "
+                                "add it to compress/checkpoints/rotation_layouts.py")
+        if self.r is not None and weight == lay.values:
+            value = rotate_head_rows(value, self.r)
+        return value
+
+
+def write_rotated(handle: ModelHandle, layout: RotationLayout, q: torch.Tensor, r: torch.Tensor | None, directory: Path,
+                  shard_bytes: int = 256 << 20) -> bool:
+    """Write ``handle``'s checkpoint with the rotation fused into ``directory`` (sharded safetensors, each tensor in
+    its stored dtype). Returns whether it untied the output layer from the embeddings: the output layer is the
+    embeddings times the final norm's scale, so it is written on its own unless that scale is 1 (then both stay
+    one tensor, the rotated embeddings)."""
+    rotator = Rotator(handle, layout, q, r)
+    names = stored_parameters(handle)
+    tied = layout.head not in names
+    gamma = rotator._get(layout.final_norm)
+    keep_tied = tied and bool((gamma.double() + layout.norm_offset == 1.0).all())
+    writer = ShardedWriter(directory, shard_bytes)
+    for name in names:
+        writer.add(name, rotator.tensor(name).contiguous())
+    if tied and not keep_tied:
+        writer.add(layout.head, rotator.head_from(layout.embeddings).contiguous())
+    writer.close()
+    return tied and not keep_tied

@@ -1,0 +1,127 @@
+"""compress.engine.rotation through the `rotate` method: the rotated checkpoint computes the same function (float64
+models, logits compared with transformers itself), across the architecture data's cases; refusals are one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from compress.errors import CompressError
+from compress.run.recipe import parse_recipe
+from compress.run.runner import run_recipe
+from conftest import CALIB_TEXT, tiny_llama_config
+
+
+def _random_model(tmp_path, config, seed: int = 0):
+    """A float64 model with every parameter random, norms included (a unit norm would hide a missing fold)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config).to(torch.float64)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            param.copy_(1.0 + 0.3 * torch.randn_like(param) if "norm" in name else 0.2 * torch.randn_like(param))
+    model.save_pretrained(tmp_path / "model")
+    return tmp_path / "model"
+
+
+def _rms_norm_in_float64(self, x):
+    """transformers' RMSNorms compute in float32 whatever the model's dtype; for a float64 comparison, in x's dtype."""
+    return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+
+@pytest.fixture(autouse=True)
+def _float64_norms(monkeypatch):
+    from transformers.models.llama import modeling_llama
+    from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen3 import modeling_qwen3
+
+    for norm in (modeling_llama.LlamaRMSNorm, modeling_qwen2.Qwen2RMSNorm, modeling_qwen3.Qwen3RMSNorm):
+        monkeypatch.setattr(norm, "forward", _rms_norm_in_float64)
+
+
+def _logits(path, ids):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    with torch.no_grad():
+        return model(ids).logits
+
+
+def _rotate(model, out, **settings):
+    recipe = {"model": model, "stages": [{"method": "rotate", **settings}], "output": {"path": out}}
+    return run_recipe(parse_recipe(recipe))
+
+
+# hidden 48 = 12·4 and head_dim 12: Paley's H_12 inside the Kronecker products; 4 query heads on 2 KV heads
+_SMALL = dict(hidden_size=48, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2, head_dim=12)
+CASES = {
+    "llama": lambda: tiny_llama_config(**_SMALL),
+    "llama-tied": lambda: tiny_llama_config(**_SMALL, tie_word_embeddings=True),
+    "qwen2-bias": lambda: __import__("transformers").Qwen2Config(vocab_size=300, num_hidden_layers=2, **_SMALL),
+    "qwen3-qk-norms": lambda: __import__("transformers").Qwen3Config(vocab_size=300, num_hidden_layers=2, **_SMALL),
+}
+
+
+@pytest.mark.parametrize("kind", ["hadamard", "random-hadamard"])
+@pytest.mark.parametrize("case", CASES)
+def test_the_rotated_checkpoint_computes_the_same_function(case, kind, tmp_path):
+    model = _random_model(tmp_path, CASES[case]())
+    result = _rotate(model, tmp_path / "rotated", kind=kind)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    before, after = _logits(model, ids), _logits(result.output, ids)
+    assert (after - before).abs().max() < 1e-9 * before.abs().max()
+    # the weights did change: every matrix that touches the stream is rotated
+    from safetensors.torch import load_file
+
+    old, new = load_file(model / "model.safetensors"), load_file(result.output / "model.safetensors")
+    assert not torch.allclose(old["model.layers.0.self_attn.q_proj.weight"], new["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(new["model.norm.weight"], torch.ones_like(new["model.norm.weight"]))
+    config = json.loads((result.output / "config.json").read_text())
+    if case == "llama-tied":  # the final norm's scale is not 1: the output layer is its own tensor
+        assert config["tie_word_embeddings"] is False and "lm_head.weight" in new
+
+
+def test_tied_embeddings_stay_tied_where_the_final_norm_is_one(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    model = _random_model(tmp_path, tiny_llama_config(**_SMALL, tie_word_embeddings=True))
+    tensors = load_file(model / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones_like(tensors["model.norm.weight"])
+    save_file(tensors, model / "model.safetensors", metadata={"format": "pt"})
+    result = _rotate(model, tmp_path / "rotated", kind="hadamard")
+    assert json.loads((result.output / "config.json").read_text()).get("tie_word_embeddings", True) is True
+    assert "lm_head.weight" not in load_file(result.output / "model.safetensors")
+    ids = torch.arange(1, 25).reshape(1, 24)
+    before, after = _logits(model, ids), _logits(result.output, ids)
+    assert (after - before).abs().max() < 1e-9 * before.abs().max()
+
+
+def test_rotation_then_gptq_on_the_rotated_checkpoint(tmp_path, tiny_tokenizer):
+    model = _random_model(tmp_path, tiny_llama_config(**_SMALL))
+    tiny_tokenizer.save_pretrained(model)
+    recipe = {"model": model, "calibration": {"path": CALIB_TEXT, "samples": 4, "seq_len": 32},
+              "stages": [{"method": "rotate", "kind": "hadamard"}, {"method": "gptq", "bits": 4, "group_size": 16}],
+              "output": {"path": tmp_path / "out"}}
+    result = run_recipe(parse_recipe(recipe))
+    record = json.loads((result.output / "config.json").read_text())["compression"]
+    assert [s["method"] for s in record["stages"]] == ["gptq"]
+    assert [s["method"] for h in record["history"] for s in h["stages"]] == ["rotate"]
+    assert record["source_model"] == str(model)
+    assert result.notes[0].startswith("hadamard rotation of the residual stream (48 wide)")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model", "out"]  # the scratch checkpoint is gone
+
+
+@pytest.mark.parametrize("config, needle", [
+    (lambda: __import__("transformers").GPT2Config(n_embd=48, n_layer=2, n_head=4, vocab_size=300), "subtract the mean"),
+    (lambda: tiny_llama_config(hidden_size=92 * 2, intermediate_size=96, num_attention_heads=4, num_key_value_heads=2),
+     "no Hadamard matrix of order 184"),
+])
+def test_what_cannot_be_rotated_is_one_line(config, needle, tmp_path):
+    model = _random_model(tmp_path, config())
+    with pytest.raises(CompressError) as caught:
+        _rotate(model, tmp_path / "rotated")
+    assert needle in str(caught.value) and "\n" not in str(caught.value)
+    assert not (tmp_path / "rotated").exists()
