@@ -21,6 +21,7 @@ from pydantic import Field
 
 from compress.formats.gguf.codecs import round_trip as ggml_round_trip
 from compress.formats.gguf.sizes import GGMLType
+from compress.engine.methods.rtn import GroupSize
 from compress.engine.methods.awq import AWQ, AWQMethodConfig
 from compress.engine.methods.base import HessianMethod, LayerOutcome, SolverConfig
 from compress.quantizers.gguf_gptq import GGUFGPTQConfig, gguf_gptq
@@ -108,6 +109,8 @@ def gguf_round_trip(kind: GGMLType):
 
 class GGUFAWQMethodConfig(AWQMethodConfig):
     clip: bool = Field(False, description="AWQ's min-max clipping search (off: GGML's fits pick their own ranges)")
+    # AWQ's integer grid, which each tensor's GGML round trip replaces (`GGUFAWQ.round_trip`): no layer to choose it from
+    group_size: GroupSize = Field(128, description="unused in GGML grids: each type fixes its own blocks")
 
 
 class GGUFAWQ(AWQ):
