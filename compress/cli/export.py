@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from compress.cli.measure import MAX_KLD_OPT, TARGET_BPW_OPT, TARGET_SIZE_OPT
-from compress.cli.options import DEVICE_OPT, JSON_OPT, MODEL_ARG, SAMPLES_OPT, SEQ_LEN_OPT, parse_options
+from compress.cli.options import DEVICE_OPT, JSON_OPT, MODEL_ARG, ROTATE_OPT, SAMPLES_OPT, SEQ_LEN_OPT, parse_options
 from compress.cli.console import command_line, console, human_bytes, key_value_table, launched_rank, print_json, progress_bars, user_errors
 
 
@@ -42,6 +42,7 @@ def export_command(
     option: list[str] = typer.Option(
         [], "-O", "--option", help="GPTQ/AWQ setting KEY=VALUE, e.g. -O asymmetric=true, -O damp=0.1, -O tied_output=false (see docs/gguf.md).",
     ),
+    rotate: Optional[str] = ROTATE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """Export a checkpoint (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, gpt2, mixtral, qwen2_moe, qwen3_moe) to one GGUF file that llama.cpp runs."""
@@ -81,6 +82,11 @@ def export_command(
     check_output(ExportConfig(model, output, target, overwrite))  # before a GGUF input's conversion
     named = model  # what the file's provenance records, not a GGUF input's scratch conversion
     with progress_bars(not as_json) as progress, tempfile.TemporaryDirectory() as scratch, checkpoint_source(model, progress) as model:
+        rotation_notes = []
+        if rotate is not None:
+            from compress.run.runner import rotated_copy
+
+            model, rotation_notes = rotated_copy(model, rotate, Path(scratch) / "rotated", progress)
         config = ExportConfig(model, output, target, overwrite, command=command_line(), source=named, method=kind.value)
         planned = None
         if plan is not None:
@@ -129,7 +135,7 @@ def export_command(
         "bits per weight": f"{result.bits_per_weight:.3f}",
         "time": f"{result.seconds:.1f} s",
     }
-    for i, note in enumerate(result.notes):
+    for i, note in enumerate(rotation_notes + result.notes):
         rows[f"note {i + 1}"] = note
     console.print(key_value_table("GGUF export", rows))
 

@@ -11,7 +11,7 @@ from compress.engine.block_engine import LayerFn, ProgressFn
 from compress.errors import CompressError
 from compress.run.compression import RunResult, run_stages
 from compress.run.distill import DistillResult, run_distill_recipe
-from compress.run.recipe import OutputSpec, Recipe
+from compress.run.recipe import OutputSpec, Recipe, parse_recipe
 
 
 def run_recipe(
@@ -31,6 +31,12 @@ def run_recipe(
     if recipe.distill is not None:  # the stages (if any), then distillation into their result
         return run_distill_recipe(recipe, progress, command, on_layer)
     return run_stages(recipe, progress, command, on_layer, window_chunks)
+
+
+def rotated_copy(model: Path, kind: str, directory: Path, progress: ProgressFn | None = None) -> tuple[Path, list[str]]:
+    """``model`` with a rotation of ``kind`` fused (the `rotate` method), written to ``directory``; and its notes."""
+    recipe = parse_recipe({"model": model, "stages": [{"method": "rotate", "kind": kind}], "output": {"path": directory}})
+    return directory, run_stages(recipe, progress).notes
 
 
 def _after_rewrite(recipe: Recipe, progress, command, on_layer, window_chunks) -> RunResult | DistillResult:

@@ -125,3 +125,39 @@ def test_what_cannot_be_rotated_is_one_line(config, needle, tmp_path):
         _rotate(model, tmp_path / "rotated")
     assert needle in str(caught.value) and "\n" not in str(caught.value)
     assert not (tmp_path / "rotated").exists()
+
+
+@pytest.mark.smollm2
+def test_smollm2_rotated_computes_the_same_in_float32(smollm2, tmp_path, monkeypatch):
+    """A real model (width 576 = 36·16, head 64, tied embeddings, its Q4_1-dequantized weights), in float32 as users
+    run it: logits within 1e-4 relative RMS of the original's."""
+    from conftest import truncate_checkpoint
+
+    monkeypatch.undo()  # transformers' own RMSNorm, as any consumer computes it
+    model = truncate_checkpoint(smollm2, tmp_path / "smollm2-2", blocks=2)
+    result = _rotate(model, tmp_path / "rotated", kind="random-hadamard")
+    ids = torch.randint(0, 49152, (2, 64), generator=torch.Generator().manual_seed(0))
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        before, after = (AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32)(ids).logits for p in (model, result.output))
+    assert ((after - before).pow(2).mean() / before.pow(2).mean()).sqrt() < 1e-4
+    assert json.loads((result.output / "config.json").read_text())["tie_word_embeddings"] is False
+
+
+def test_a_rotated_gguf_runs_in_llama_cpp_as_the_original(tmp_path, llama_cpp_runs):
+    """`compress export --rotate`: llama.cpp runs the rotated file unchanged, at the original model's perplexity."""
+    from typer.testing import CliRunner
+
+    from compress.cli import app
+    from compress.eval.report import GGUFBackend, Protocol, evaluate_outputs
+    from conftest import EVAL_TEXT, REFERENCE_MODEL
+
+    files = [tmp_path / "plain.gguf", tmp_path / "rotated.gguf"]
+    for path, extra in zip(files, ([], ["--rotate", "hadamard"])):
+        done = CliRunner().invoke(app, ["export", str(REFERENCE_MODEL), "-o", str(path), "--type", "f16", *extra])
+        assert done.exit_code == 0, done.output
+    report = evaluate_outputs(files, REFERENCE_MODEL, Protocol(EVAL_TEXT, ctx=256, max_tokens=2048), GGUFBackend.AUTO)
+    plain, rotated = report.rows
+    assert plain.evaluator == rotated.evaluator == "llama.cpp"
+    assert rotated.perplexity == pytest.approx(plain.perplexity, rel=1e-3) and rotated.kld < 1e-3
