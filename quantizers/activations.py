@@ -113,6 +113,7 @@ class ActivationPreset(str, enum.Enum):
 
     INT8_TOKEN = "int8-token"
     INT8_TENSOR = "int8-tensor"
+    INT4_TOKEN = "int4-token"  # W4A4 with integer weights (QuaRot's setting); simulated, not packed
     FP8_TOKEN = "fp8-token"
     FP8_TENSOR = "fp8-tensor"
     FP8_GROUP = "fp8-group"  # 128 columns per scale: FP8 block checkpoints' activations
@@ -124,6 +125,7 @@ class ActivationPreset(str, enum.Enum):
         return {
             ActivationPreset.INT8_TOKEN: ActivationScheme(8, token, True),
             ActivationPreset.INT8_TENSOR: ActivationScheme(8, tensor, False),
+            ActivationPreset.INT4_TOKEN: ActivationScheme(4, token, True),
             ActivationPreset.FP8_TOKEN: ActivationScheme(8, token, True, type=ActType.FLOAT),
             ActivationPreset.FP8_TENSOR: ActivationScheme(8, tensor, False, type=ActType.FLOAT),
             ActivationPreset.FP8_GROUP: ActivationScheme(8, group, True, type=ActType.FLOAT, group_size=128),

@@ -95,3 +95,15 @@ def test_float_activation_schemes_are_validated():
         quantize_activations(torch.ones(1, 16), ActivationPreset.NVFP4.scheme())  # needs its global scale
     for preset in ActivationPreset:
         assert ActivationScheme.from_record(preset.scheme().to_record()) == preset.scheme()
+
+
+def test_int4_per_token_is_fifteen_levels_per_token():
+    """W4A4's activations: per token s = max|x| / 7, codes in [-7, 7], as QuaRot's symmetric int4 (textbook loop)."""
+    torch.manual_seed(0)
+    x = torch.randn(5, 64) * torch.logspace(-1, 1, 5)[:, None]
+    got = quantize_activations(x, ActivationPreset.INT4_TOKEN.scheme())
+    for row, out in zip(x, got):
+        s = row.abs().max() / 7
+        expected = torch.tensor([min(7.0, max(-7.0, round(float(v / s)))) for v in row]) * s
+        assert torch.allclose(out, expected, atol=1e-6)
+        assert len(set((out / s).round().tolist())) <= 15

@@ -56,7 +56,7 @@ class WeightGrid(str, enum.Enum):
 
 # which weight grid each activation quantization is stored beside (compressed-tensors' layouts)
 _ACTIVATION_GRID = {
-    ActivationPreset.INT8_TOKEN: WeightGrid.INT, ActivationPreset.INT8_TENSOR: WeightGrid.INT,
+    ActivationPreset.INT8_TOKEN: WeightGrid.INT, ActivationPreset.INT8_TENSOR: WeightGrid.INT, ActivationPreset.INT4_TOKEN: WeightGrid.INT,
     ActivationPreset.FP8_TOKEN: WeightGrid.FP8, ActivationPreset.FP8_TENSOR: WeightGrid.FP8, ActivationPreset.FP8_GROUP: WeightGrid.FP8,
     ActivationPreset.NVFP4: WeightGrid.NVFP4, ActivationPreset.MXFP4: WeightGrid.MXFP4,
 }
@@ -69,7 +69,7 @@ class GridQuantConfig(WeightQuantConfig):
     grid: WeightGrid = Field(WeightGrid.INT, description="int (bits/group_size/symmetric) or float elements: fp8, nvfp4, mxfp4")
     block_rows: int = Field(1, description="fp8: rows sharing a scale: 1, N (N x group_size blocks, e.g. 128) or -1 (per tensor, group_size -1)")
     activations: ActivationPreset | None = Field(
-        None, description="also quantize the layers' inputs: int8-token, int8-tensor, fp8-token, fp8-tensor, fp8-group, nvfp4, mxfp4"
+        None, description="also quantize the layers' inputs: int8-token, int8-tensor, int4-token (simulated: --format fake), fp8-token, fp8-tensor, fp8-group, nvfp4, mxfp4"
     )
 
     @model_validator(mode="before")
@@ -99,7 +99,8 @@ class GridQuantConfig(WeightQuantConfig):
             grid = _ACTIVATION_GRID[self.activations]
             if grid is not self.grid:
                 raise ValueError(f"activations {self.activations.value} are stored beside {grid.value} weights: set grid {grid.value}")
-            if grid is WeightGrid.INT and (self.bits != 8 or self.group_size != -1 or not self.symmetric):
+            eight = self.activations.scheme().bits == 8
+            if grid is WeightGrid.INT and eight and (self.bits != 8 or self.group_size != -1 or not self.symmetric):
                 raise ValueError("int8 activations (W8A8) go with 8-bit symmetric per-channel weights: set bits 8, group_size -1")
         return self
 
