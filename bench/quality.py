@@ -3,6 +3,7 @@
     python bench/quality.py [--methods rtn,gptq,gptq:act_order=false] [--settings 8:128,4:-1,4:128,3:128,2:64]
                             [--text ../shared/corpus/shakespeare/test.txt] [--calib FILE --samples 64 --seq-len 512]
                             [--model DIR|FILE.gguf] [--ctx 512] [--max-tokens N] [--rotations none,random-hadamard]
+                            [--format fake]
 
 One row per method and setting (bits:group_size, symmetric), with the figures `compress eval ppl` reports.
 Methods that need calibration data get ``--calib``; extra method settings follow a colon (``name:key=value``).
@@ -52,6 +53,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
     ap.add_argument("--rotations", default="none", help="comma-separated: none, hadamard, random-hadamard")
+    ap.add_argument("--format", default="compressed-tensors", help="output format; fake for simulated-only schemes (W4A4 int)")
     args = ap.parse_args()
     settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
     print(f"model {args.model}, text {args.text}, ctx {args.ctx}; calibration {args.calib.name} "
@@ -66,7 +68,7 @@ def main() -> None:
                 data = {
                     "model": args.model,
                     "stages": rotate + [{"method": name, "bits": bits, "group_size": group, **options}],
-                    "output": {"path": Path(tmp) / "out", "overwrite": True},
+                    "output": {"path": Path(tmp) / "out", "overwrite": True, "format": args.format},
                     "evaluation": {"text": args.text, "ctx": args.ctx, "max_tokens": args.max_tokens},
                 }
                 if needs_data:
