@@ -22,13 +22,18 @@ from __future__ import annotations
 import torch
 
 
-def _apply(weight: torch.Tensor, product) -> torch.Tensor:
+ROWS = 8192  # rows per float64 product where rows are independent: an 8B model's embeddings are 4 GB in float64
+
+
+def _apply(weight: torch.Tensor, product, by_rows: bool = False) -> torch.Tensor:
+    if by_rows and weight.dim() == 2 and weight.shape[0] > ROWS:
+        return torch.cat([_apply(part, product) for part in weight.split(ROWS)])
     return product(weight.to(torch.float64)).to(weight.dtype)
 
 
 def fold_norm(weight: torch.Tensor, gamma: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
     """``W [out, n] · diag(offset + γ)``: a layer reading a norm's output, the norm's scale taken in."""
-    return _apply(weight, lambda w: w * (offset + gamma.to(torch.float64))[None, :])
+    return _apply(weight, lambda w: w * (offset + gamma.to(torch.float64))[None, :], by_rows=True)
 
 
 def unit_norm(gamma: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
@@ -38,7 +43,7 @@ def unit_norm(gamma: torch.Tensor, offset: float = 0.0) -> torch.Tensor:
 
 def rotate_reader(weight: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
     """``W [out, n] Q``: a layer (or the embeddings) reading the rotated stream."""
-    return _apply(weight, lambda w: w @ q)
+    return _apply(weight, lambda w: w @ q, by_rows=True)
 
 
 def rotate_writer(weight: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
@@ -61,4 +66,4 @@ def rotate_head_rows(weight: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
 def rotate_head_columns(weight: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
     """R2 on an output projection ``W [out, heads·d]``: each head's columns ``W_h R``."""
     d = r.shape[0]
-    return _apply(weight, lambda w: (w.reshape(w.shape[0], -1, d) @ r).reshape(w.shape))
+    return _apply(weight, lambda w: (w.reshape(w.shape[0], -1, d) @ r).reshape(w.shape), by_rows=True)

@@ -58,3 +58,15 @@ def test_a_rotated_reader_and_writer_pair_computes_the_same():
     rotated = (x @ q) @ rotate_reader(fold_norm(reader, gamma), q).T @ rotate_writer(writer, q).T + rotate_writer(bias, q)
     assert torch.allclose(rotated, y @ q, atol=1e-10)
     assert reader.dtype == torch.float64 and rotate_reader(reader.float(), q).dtype == torch.float32  # stored dtype kept
+
+
+def test_long_readers_are_rotated_by_rows_alike(monkeypatch):
+    import compress.quantizers.rotation as rotation
+
+    torch.manual_seed(0)
+    q, w = random_hadamard(12, 0), torch.randn(50, 12)
+    whole = rotate_reader(w, q)
+    monkeypatch.setattr(rotation, "ROWS", 8)
+    assert torch.allclose(rotate_reader(w, q), whole, rtol=1e-6, atol=1e-7)  # float64 products, float32 results
+    expected = (w.double().reshape(50, 3, 4) @ hadamard(4)).reshape(50, 12).float()
+    assert torch.allclose(rotate_head_columns(w, hadamard(4)), expected, rtol=1e-6, atol=1e-7)
