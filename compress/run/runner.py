@@ -42,9 +42,13 @@ def rotated_copy(model: Path, kind: str, directory: Path, progress: ProgressFn |
 def _after_rewrite(recipe: Recipe, progress, command, on_layer, window_chunks) -> RunResult | DistillResult:
     """The first stage into a scratch checkpoint beside the output (a temporary name the next run of this output
     reports if this one is killed), then the others on it; the output's record keeps the first in its history."""
+    first_method = recipe.stages[0].method
     if recipe.resume:
-        raise CompressError(f"--resume: stage 1 ({recipe.stages[0].method}) rewrites the checkpoint before the others, "
+        raise CompressError(f"--resume: stage 1 ({first_method}) rewrites the checkpoint before the others, "
                             "which records no progress: run without --resume")
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # each process would write a checkpoint of its own
+        raise CompressError(f"stage 1 ({first_method}) rewrites the checkpoint in one process: run a recipe with that stage alone "
+                            "first, then launch the other stages on its output")
     out = recipe.output.path
     out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out.parent, prefix=f".{out.name}.tmp-{os.getpid()}-") as scratch:
