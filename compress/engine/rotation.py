@@ -18,6 +18,11 @@ from compress.quantizers.rotation import (fold_norm, rotate_head_columns, rotate
                                           unit_norm)
 
 
+def _unplaced(name: str) -> CompressError:
+    return CompressError(f"a rotation does not know where {name} sits in the residual stream: "
+                         "add it to compress/checkpoints/rotation_layouts.py")
+
+
 class Rotator:
     """The rotated value of each stored tensor of ``handle``: ``q [hidden, hidden]`` (R1), ``r [head_dim, head_dim]``
     (R2) or None."""
@@ -26,33 +31,32 @@ class Rotator:
         self.handle, self.layout, self.q, self.r = handle, layout, q, r
         self.reads = {reader: norm for norm, readers in layout.norms.items() for reader in readers}
 
-    def _get(self, name: str) -> torch.Tensor:
+    def stored(self, name: str) -> torch.Tensor:
         return self.handle.reader.get(self.handle.checkpoint_key(name))
 
     def head_from(self, source: str) -> torch.Tensor:
         """The output layer from ``source`` (itself, or the embeddings it is tied to), final norm folded, rotated."""
-        gamma = self._get(self.layout.final_norm)
-        return rotate_reader(fold_norm(self._get(source), gamma, self.layout.norm_offset), self.q)
+        gamma = self.stored(self.layout.final_norm)
+        return rotate_reader(fold_norm(self.stored(source), gamma, self.layout.norm_offset), self.q)
 
     def tensor(self, name: str) -> torch.Tensor:
         lay, blocks = self.layout, self.handle.blocks_name + "."
         if not name.startswith(blocks):
             if name == lay.embeddings:
-                return rotate_reader(self._get(name), self.q)
+                return rotate_reader(self.stored(name), self.q)
             if name == lay.final_norm:
-                return unit_norm(self._get(name), lay.norm_offset)
+                return unit_norm(self.stored(name), lay.norm_offset)
             if name == lay.head:
                 return self.head_from(name)
-            raise CompressError(f"a rotation does not know where {name} sits in the residual stream: "
-                                "add it to compress/checkpoints/rotation_layouts.py")
+            raise _unplaced(name)
         prefix, _, rel = name[len(blocks):].partition(".")
         prefix = blocks + prefix + "."
         weight = rel.removesuffix(".bias") + ".weight" if rel.endswith(".bias") else rel
-        value = self._get(name)
+        value = self.stored(name)
         if rel in lay.norms:
             return unit_norm(value, lay.norm_offset)
         if rel in self.reads:  # a reader's weight: its norm's scale, then the stream's rotation; its bias is unchanged
-            value = rotate_reader(fold_norm(value, self._get(prefix + self.reads[rel]), lay.norm_offset), self.q)
+            value = rotate_reader(fold_norm(value, self.stored(prefix + self.reads[rel]), lay.norm_offset), self.q)
         elif weight in self.reads:
             pass
         elif weight in lay.writers:  # a writer's weight or bias; the output projection's columns first take R2
@@ -60,8 +64,7 @@ class Rotator:
                 value = rotate_head_columns(value, self.r)
             value = rotate_writer(value, self.q)
         elif rel not in lay.untouched:
-            raise CompressError(f"a rotation does not know where {name} sits in the residual stream: "
-                                "add it to compress/checkpoints/rotation_layouts.py")
+            raise _unplaced(name)
         if self.r is not None and weight == lay.values:
             value = rotate_head_rows(value, self.r)
         return value
@@ -76,7 +79,7 @@ def write_rotated(handle: ModelHandle, layout: RotationLayout, q: torch.Tensor, 
     rotator = Rotator(handle, layout, q, r)
     names = stored_parameters(handle)
     tied = layout.head not in names
-    gamma = rotator._get(layout.final_norm)
+    gamma = rotator.stored(layout.final_norm)
     keep_tied = tied and bool((gamma.double() + layout.norm_offset == 1.0).all())
     writer = ShardedWriter(directory, shard_bytes)
     for name in names:
