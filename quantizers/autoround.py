@@ -1,0 +1,135 @@
+"""AutoRound: learned rounding and clipping by signed gradient descent, one decoder block at a time.
+
+Cheng et al., "Optimize Weight Rounding via Signed Gradient Descent for the Quantization of LLMs"
+(arXiv 2309.05516), as Intel's ``auto-round`` runs it. Each weight ``W [out, in]`` of a block gets a
+rounding offset ``V`` (``W``'s shape, init 0, kept in [−0.5, 0.5]) and each (row, group) clipping factors
+``α`` on its maximum and ``β`` on its minimum (``[out, n_groups]``, init 1, kept in [0, 1]). On an
+asymmetric grid of ``M = 2**bits − 1`` codes
+
+    s = (α·max(w, 0) − β·min(w, 0)) / M,   z = round(−β·min(w, 0) / s)
+    Q(W) = s · (clamp(⌊W/s + V⌉ + z, 0, M) − z)
+
+and on a symmetric one ``s = max(α·max(w, 0), −β·min(w, 0)) / (M/2)``, ``Q(W) = s · clamp(⌊W/s + V⌉, −2**(b−1),
+2**(b−1) − 1)`` (`compress.quantizers.grid`'s grids: at ``V = 0, α = β = 1`` both are RTN's). Rounding passes
+gradients straight through. Objective, over the calibration samples ``x`` of a step:
+
+    min_{V, α, β}  mean ‖f(Q(W); x) − y‖²
+
+with ``f`` the block (the caller's differentiable ``forward``) and ``y`` its float outputs (the caller's
+``targets``). Update, SignSGD with a learning rate decayed linearly to 0 over ``iters`` steps:
+
+    p ← p − lr · (1 − t/iters) · sign(∂L/∂p),   lr = 1/iters (V; α and β: ``minmax_lr``, default lr)
+
+Each step takes ``batch_size`` samples from a shuffled order (reshuffled when fewer remain), accumulates the
+gradient sample by sample and keeps the parameters of the step with the lowest loss (``best``; else the last
+step's). ``sign(0) = 0``: a parameter with no gradient stays.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from compress.quantizers.autoround_grid import Params, codes_of, qdq
+from compress.quantizers.grid import QuantScheme
+from compress.quantizers.result import QuantResult
+
+
+@dataclass(frozen=True)
+class AutoRoundConfig:
+    iters: int = 200
+    lr: float | None = None  # None: 1 / iters
+    minmax_lr: float | None = None  # None: lr
+    batch_size: int = 8  # samples per step (all of them where fewer)
+    minmax_tuning: bool = True  # learn α and β (else only V)
+    best: bool = True  # keep the step with the lowest loss (auto-round's default; its not_use_best_mse is False)
+    seed: int = 0  # the sample order
+
+    def rates(self) -> tuple[float, float]:
+        lr = self.lr if self.lr is not None else 1.0 / max(self.iters, 1)
+        return lr, self.minmax_lr if self.minmax_lr is not None else lr
+
+
+@dataclass
+class AutoRoundResult:
+    """``layers``: each weight's codes and dequantized weight (`QuantResult`, float32); ``params``: the chosen
+    ``V``, ``α``, ``β`` by weight; ``losses``: each step's loss (before its update); ``best_step``: the step whose
+    parameters were kept (-1: none ran, RTN)."""
+
+    layers: dict[str, QuantResult]
+    params: dict[str, Params]
+    losses: list[float] = field(default_factory=list)
+    best_step: int = -1
+
+    @property
+    def stats(self) -> dict[str, Any]:
+        first = self.losses[0] if self.losses else None
+        chosen = self.losses[self.best_step] if self.losses else None
+        return {"loss_first": first, "loss_best": chosen, "best_step": self.best_step}
+
+
+def _order(n: int, batch: int, seed: int):
+    """Batches of ``batch`` indices from a shuffled order of ``n``, reshuffled when fewer than ``batch`` remain."""
+    generator = torch.Generator().manual_seed(seed)
+    order, at = torch.randperm(n, generator=generator).tolist(), 0
+    while True:
+        if at + batch > n:
+            order, at = torch.randperm(n, generator=generator).tolist(), 0
+        yield order[at : at + batch]
+        at += batch
+
+
+def autoround(
+    forward: Callable[[dict[str, torch.Tensor], Any], torch.Tensor],
+    weights: dict[str, torch.Tensor],
+    inputs: list,
+    targets: list[torch.Tensor],
+    config: AutoRoundConfig,
+    grids: dict[str, QuantScheme],
+) -> AutoRoundResult:
+    """Learn ``V``, ``α``, ``β`` for ``weights`` (name → ``[out, in]``; not modified) so that ``forward(Q(weights),
+    inputs[i])`` matches ``targets[i]`` for every sample ``i``; ``grids``: each weight's integer grid. Parameters
+    take the weights' dtype (float32 at least); ``forward`` must be differentiable in the weights it is given."""
+    ws = {n: w.detach() if w.dtype == torch.float64 else w.detach().float() for n, w in weights.items()}
+    params = {n: Params.start(w, grids[n]) for n, w in ws.items()}
+    lr, minmax_lr = config.rates()
+    losses: list[float] = []
+    chosen, best_step = params, -1
+    batches = _order(len(inputs), min(config.batch_size, len(inputs)), config.seed) if config.iters > 0 else None
+    for step in range(config.iters):
+        current = {n: p.trainable(config.minmax_tuning) for n, p in params.items()}
+        with torch.enable_grad():
+            quantized = {n: qdq(ws[n], current[n], grids[n]) for n in ws}
+            leaves = {n: q.detach().requires_grad_() for n, q in quantized.items()}  # the block's graph per sample
+            picked = next(batches)
+            count = sum(targets[i].numel() for i in picked)
+            loss = 0.0
+            for i in picked:
+                out = forward(leaves, inputs[i])
+                sample = (out.to(targets[i].dtype) - targets[i]).square().sum() / count
+                sample.backward()
+                loss += float(sample.detach())
+            torch.autograd.backward(list(quantized.values()), [leaves[n].grad for n in quantized])
+        losses.append(loss)
+        if not config.best or loss < (losses[best_step] if best_step >= 0 else float("inf")):
+            chosen, best_step = {n: p.detached() for n, p in current.items()}, step
+        decay = 1.0 - step / config.iters
+        params = {n: p.signed_step(lr * decay, minmax_lr * decay) for n, p in current.items()}
+    layers = {}
+    with torch.no_grad():
+        for n, w in ws.items():
+            scale, zero, codes = codes_of(w, chosen[n], grids[n])
+            deq = grids[n].dequantize(codes, scale, zero)
+            rel = float(torch.linalg.vector_norm(w.float() - deq) / torch.linalg.vector_norm(w.float()).clamp_min(1e-30))
+            layers[n] = QuantResult(deq, codes, scale, zero, grids[n], stats={"weight_rel_error": rel})
+    return AutoRoundResult(layers, chosen, losses, best_step)
+
+
+def autoround_linear(weight: torch.Tensor, inputs: list[torch.Tensor], config: AutoRoundConfig,
+                     grid: QuantScheme) -> AutoRoundResult:
+    """One linear layer ``y = x Wᵀ`` (``weight [out, in]``, each input ``[..., in]``), fitted to its float outputs."""
+    targets = [x.to(weight.dtype) @ weight.detach().T for x in inputs]
+    return autoround(lambda ws, x: x.to(ws["weight"].dtype) @ ws["weight"].T, {"weight": weight}, inputs, targets,
+                     config, {"weight": grid})

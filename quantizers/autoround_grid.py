@@ -1,0 +1,92 @@
+"""AutoRound's learned parameters on our integer grids (`compress.quantizers.autoround`): the differentiable
+quantize-dequantize the gradient runs through, and the codes of the chosen parameters.
+
+Shapes: ``w`` and ``V`` ``[out, in]``; ``α`` (on each group's maximum) and ``β`` (on its minimum) ``[out, n_groups]``.
+The scale and zero point are `compress.quantizers.grid.compute_qparams`' of the extremes ``(β·min, α·max)``: the
+same values, the codes the same rounding (``round(w/s + V)``), so ``V = 0, α = β = 1`` is RTN's grid exactly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from compress.quantizers.grid import QuantScheme, _grouped
+
+V_BOUND = 0.5  # |V| ≤ 0.5: the paper's range (auto-round's step budget, lr·(iters+1)/2, reaches just past it)
+SCALE_BOUNDS = (0.0, 1.0)  # α, β: auto-round's ``minmax_scale_bound``
+
+
+@dataclass
+class Params:
+    v: torch.Tensor
+    alpha: torch.Tensor
+    beta: torch.Tensor
+
+    @classmethod
+    def start(cls, w: torch.Tensor, grid: QuantScheme) -> "Params":
+        shape = (w.shape[0], grid.groups(w.shape[1]))
+        return cls(torch.zeros_like(w), w.new_ones(shape), w.new_ones(shape))
+
+    def trainable(self, minmax: bool) -> "Params":
+        """Fresh leaves with gradients (``α``, ``β`` only when ``minmax``)."""
+        return Params(self.v.detach().clone().requires_grad_(), self.alpha.detach().clone().requires_grad_(minmax),
+                      self.beta.detach().clone().requires_grad_(minmax))
+
+    def detached(self) -> "Params":
+        return Params(self.v.detach(), self.alpha.detach(), self.beta.detach())
+
+    def signed_step(self, lr: float, minmax_lr: float) -> "Params":
+        """``p − lr · sign(∂L/∂p)``, each kept in its range; a parameter without a gradient stays."""
+
+        def step(p: torch.Tensor, rate: float, low: float, high: float) -> torch.Tensor:
+            if p.grad is None:
+                return p.detach()
+            return (p.detach() - rate * torch.sign(p.grad)).clamp_(low, high)
+
+        return Params(step(self.v, lr, -V_BOUND, V_BOUND), step(self.alpha, minmax_lr, *SCALE_BOUNDS),
+                      step(self.beta, minmax_lr, *SCALE_BOUNDS))
+
+
+def round_ste(x: torch.Tensor) -> torch.Tensor:
+    """``round(x)`` whose gradient is the identity's (exactly ``round(x)``: ``round(x) − x`` is exact)."""
+    return x + (torch.round(x) - x).detach()
+
+
+def _qparams(g: torch.Tensor, p: Params, grid: QuantScheme, ste: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale and zero ``[out, n_groups]`` of grouped ``g`` with the clipping factors: `grid.compute_qparams`' formulas."""
+    low, high = g.amin(dim=-1) * p.beta, g.amax(dim=-1) * p.alpha
+    top = torch.tensor(float(grid.max_code), dtype=g.dtype, device=g.device)
+    if grid.symmetric:
+        scale = torch.maximum(-low, high).abs() / (top / 2)
+        zero = torch.full_like(scale, float(1 << (grid.bits - 1))).detach()
+    else:
+        lo, hi = low.clamp(max=0), high.clamp(min=0)
+        scale = (hi - lo) / top
+        rounded = round_ste if ste else torch.round
+        zero = rounded(-lo / torch.where(scale > 0, scale, 1.0)).clamp(0, grid.max_code)
+    return torch.where(scale > 0, scale, torch.ones_like(scale)), zero
+
+
+def qdq(w: torch.Tensor, p: Params, grid: QuantScheme) -> torch.Tensor:
+    """The dequantized weight ``Q(W)`` ``[out, in]``, differentiable in ``V``, ``α``, ``β`` (straight-through rounding)."""
+    g = _grouped(w, grid)
+    scale, zero = _qparams(g, p, grid, ste=True)
+    s, z = scale.unsqueeze(-1), zero.unsqueeze(-1)
+    r = round_ste(g / s + _grouped(p.v, grid))
+    if grid.symmetric:
+        half = 1 << (grid.bits - 1)
+        return (r.clamp(-half, grid.max_code - half) * s).reshape(w.shape)
+    return (s * ((r + z).clamp(0, grid.max_code) - z)).reshape(w.shape)
+
+
+def codes_of(w: torch.Tensor, p: Params, grid: QuantScheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Float32 scale and zero ``[out, n_groups]`` (`grid.qparams` of the clipped extremes) and int32 codes ``[out, in]``
+    (``clamp(round(w/s + V) + z, 0, M)``) of the chosen parameters: what `grid.dequantize` decodes to `qdq`'s weight."""
+    w32 = w.float()
+    g = _grouped(w32, grid)
+    extremes = (g.amin(dim=-1) * p.beta.float(), g.amax(dim=-1) * p.alpha.float())
+    scale, zero = grid.qparams(w32, extremes=extremes)
+    q = torch.round(g / scale.unsqueeze(-1) + _grouped(p.v.float(), grid)).add_(zero.unsqueeze(-1))
+    return scale, zero, q.clamp_(0, grid.max_code).to(torch.int32).reshape(w.shape)
