@@ -2,7 +2,8 @@
 
     python bench/pipeline.py [--model DIR] [--blocks 8] [--method gptq|rtn|awq|w8a8] [--bits 4 --group-size 64]
                              [--calib FILE --samples 32 --seq-len 512] [--text FILE --max-tokens 4096]
-                             [--threads 2] [--device cpu|cuda] [--anchor llm-compressor] [--repeat 1] [--set KEY=VALUE ...]
+                             [--threads 2] [--device cpu|cuda] [--compute-dtype auto] [--anchor llm-compressor] [--repeat 1]
+                             [--set KEY=VALUE ...]
 
 Both tools are timed alike: a fresh process from its start to its exit, what a user waits for (ours with the
 ``compress`` command's process settings). Phases (exclusive time: a phase's time excludes the phases it calls):
@@ -29,7 +30,9 @@ compresses a copy of the model truncated to its first N blocks (what the figures
 8 key-value heads of 128, MLP 14336, vocabulary 128,256, bf16, ``--blocks`` of them, 4 by default), with the reference
 model's tokenizer: the blocks' work at the size users run, where the fixed costs (imports, the outer tensors) no
 longer dominate. It is written once under ``~/.cache/llm-compress`` (3.8 GB for 4 blocks) and reused.
-Every written page is flushed to the disk before each tool's timed run (`quiet_disk`).
+Every written page is flushed to the disk before each tool's timed run (`quiet_disk`). llm-compressor loads the model
+in its checkpoint's dtype (``dtype="auto"``), as its users do; ours computes in ``--compute-dtype`` (auto: the
+checkpoint's where this CPU multiplies it natively).
 """
 
 from __future__ import annotations
@@ -251,7 +254,7 @@ def _child(spec: dict) -> None:
     stages = stages if isinstance(stages, list) else [stages]
     stages[-1] = {**stages[-1], **dict(_setting(item) for item in args.set)}
     recipe = {
-        "model": spec["model"], "stages": stages, "device": args.device,
+        "model": spec["model"], "stages": stages, "device": args.device, "compute_dtype": args.compute_dtype,
         "calibration": {"path": args.calib, "samples": args.samples, "seq_len": args.seq_len},
         "output": {"path": spec["out"], "format": "compressed-tensors"},
     }
@@ -322,6 +325,7 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--compute-dtype", default="auto", help="our block forwards' dtype (`compress quantize --compute-dtype`)")
     ap.add_argument("--anchor", choices=["llm-compressor"])
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of each tool, alternating: the walls' medians, the phases of our fastest run, each run's ratio")

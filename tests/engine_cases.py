@@ -3,11 +3,16 @@ make the engine calibrate and propagate."""
 
 from __future__ import annotations
 
+import torch
+
 from compress.checkpoints.model_io import open_model, quantizable_layers
 from compress.checkpoints.shards import ShardedWriter
 from compress.engine.block_engine import Engine, Stage
 from compress.engine.methods.rtn import RTN
+from compress.engine.methods.base import LayerOutcome, Method
 from compress.engine.statistics import Stat
+
+ALL_STATS = frozenset(Stat)
 
 
 class CalibratedRTN(RTN):
@@ -34,3 +39,41 @@ class SequentialRTN(CalibratedRTN):
     @property
     def sequential(self):
         return True
+
+
+class Observe(Method):
+    """Needs every statistic, changes nothing."""
+
+    @property
+    def needs(self):
+        return ALL_STATS
+
+    def transform_layer(self, name, weight, stats):
+        return LayerOutcome(weight)
+
+
+def reference_hessians(model, layer_names, calibration):
+    """2/n Σ x xᵀ per layer, in float64, from hooks on a whole model run on the calibration tokens."""
+    sums, counts, handles = {}, {}, []
+    modules = dict(model.named_modules())
+    for name in layer_names:
+        def hook(_m, args, name=name):
+            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            sums[name] = sums.get(name, 0) + x.t() @ x
+            counts[name] = counts.get(name, 0) + x.shape[0]
+        handles.append(modules[name].register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model(input_ids=calibration, use_cache=False)
+    for h in handles:
+        h.remove()
+    return {n: 2 * sums[n] / counts[n] for n in layer_names}
+
+
+class StatsSpy(Observe):
+    def __init__(self):
+        super().__init__(Observe.Config())
+        self.seen = {}
+
+    def transform_layer(self, name, weight, stats):
+        self.seen[name] = {k: v.clone() for k, v in stats.items()}
+        return LayerOutcome(weight)

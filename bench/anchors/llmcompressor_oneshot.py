@@ -47,7 +47,7 @@ def main() -> None:
     bits, group_size, act_order = int(bits), int(group_size), bool(int(act_order))
     windows = json.loads(open(windows_path).read())
     data = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * len(w) for w in windows]})
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype="auto")  # as a user loads it: the checkpoint's dtype
     if device != "cpu":
         model.to(device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

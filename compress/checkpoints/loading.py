@@ -4,6 +4,7 @@ recorded activation quantization installed) on a device, and evaluation text."""
 from __future__ import annotations
 
 import contextlib
+import enum
 import json
 import logging
 from pathlib import Path
@@ -20,6 +21,46 @@ def resolve_device(name: str) -> torch.device:
     if name == "cuda" and not torch.cuda.is_available():
         raise CompressError("--device cuda was asked for but no CUDA device is available: use --device cpu")
     return torch.device(name)
+
+
+def model_dtype(config) -> torch.dtype:
+    """The checkpoint's float dtype (config ``dtype``/``torch_dtype``): compressed-tensors keeps scales in it, and
+    ``--compute-dtype auto`` computes in it."""
+    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(value, str):
+        value = getattr(torch, value, None)
+    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.float32
+
+
+class ComputeDtype(str, enum.Enum):
+    """The dtype of the block forward passes while compressing (`--compute-dtype`)."""
+
+    auto = "auto"
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+def native_dtypes(device: torch.device) -> frozenset[torch.dtype]:
+    """The 16-bit dtypes ``device`` multiplies at least as fast as float32. A CPU without AVX-512 BF16 or AMX
+    (AVX2 only) converts bfloat16 to float32 inside every matmul, and has no fast float16 matmul at all."""
+    if device.type == "cuda":
+        return frozenset({torch.float16} | ({torch.bfloat16} if torch.cuda.is_bf16_supported() else set()))
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return frozenset({torch.bfloat16}) if any(probe is not None and probe() for probe in probes) else frozenset()
+
+
+def resolve_compute_dtype(choice: ComputeDtype, stored: torch.dtype, device: torch.device) -> tuple[torch.dtype, str]:
+    """The dtype the engine runs its forward passes in, and why: ``auto`` takes the checkpoint's ``stored`` dtype
+    where ``device`` computes it natively, else float32 (as fast there, and exact); a named dtype is taken as is."""
+    if choice is not ComputeDtype.auto:
+        return getattr(torch, choice.value), "--compute-dtype"
+    if stored == torch.float32 or not stored.is_floating_point:
+        return torch.float32, "the checkpoint's"
+    name = str(stored).removeprefix("torch.")
+    if stored in native_dtypes(device):
+        return stored, "the checkpoint's"
+    return torch.float32, f"the checkpoint's {name} has no fast matmul on this {device.type}"
 
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json", "spiece.model", "vocab.txt")

@@ -21,6 +21,7 @@ from compress.cli.console import (
 from compress.cli.measure import MAX_KLD_OPT, TARGET_BPW_OPT, TARGET_SIZE_OPT
 from compress.cli.options import (
     CALIB_OPT,
+    COMPUTE_DTYPE_OPT,
     DEVICE_OPT,
     EVAL_TEXT_OPT,
     EXCLUDE_OPT,
@@ -106,6 +107,7 @@ def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
             **({"format": args["output_format"]} if args.get("output_format") else {}),
         },
         "device": args["device"],
+        "compute_dtype": args["compute_dtype"],
         "trust_remote_code": args["trust_remote_code"],
         "resume": args.get("resume", False),
     }
@@ -159,6 +161,7 @@ def quantize(
     max_kld: Optional[float] = MAX_KLD_OPT,
     eval_text: Optional[Path] = EVAL_TEXT_OPT,
     device: str = DEVICE_OPT,
+    compute_dtype: str = COMPUTE_DTYPE_OPT,
     overwrite: bool = OVERWRITE_OPT,
     resume: bool = RESUME_OPT,
     trust_remote_code: bool = TRUST_REMOTE_CODE_OPT,
@@ -202,6 +205,7 @@ def prune(
     option: list[str] = typer.Option([], "-O", "--option", help="Method setting KEY=VALUE, e.g. -O bits=4 (see `compress methods`)."),
     eval_text: Optional[Path] = EVAL_TEXT_OPT,
     device: str = DEVICE_OPT,
+    compute_dtype: str = COMPUTE_DTYPE_OPT,
     overwrite: bool = OVERWRITE_OPT,
     resume: bool = RESUME_OPT,
     trust_remote_code: bool = TRUST_REMOTE_CODE_OPT,

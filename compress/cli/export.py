@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from compress.cli.measure import MAX_KLD_OPT, TARGET_BPW_OPT, TARGET_SIZE_OPT
-from compress.cli.options import DEVICE_OPT, JSON_OPT, MODEL_ARG, ROTATE_OPT, SAMPLES_OPT, SEQ_LEN_OPT, parse_options
+from compress.cli.options import COMPUTE_DTYPE_OPT, DEVICE_OPT, JSON_OPT, MODEL_ARG, ROTATE_OPT, SAMPLES_OPT, SEQ_LEN_OPT, parse_options
 from compress.cli.console import command_line, console, human_bytes, key_value_table, launched_rank, print_json, progress_bars, user_errors
 
 
@@ -32,6 +32,7 @@ def export_command(
     samples: int = SAMPLES_OPT,
     seq_len: int = SEQ_LEN_OPT,
     device: str = DEVICE_OPT,
+    compute_dtype: str = COMPUTE_DTYPE_OPT,
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
     plan: Optional[Path] = typer.Option(
         None, "--plan", help="Per-tensor GGML types: a plan file (compress allocate -o), or a GGUF sensitivity file with a target below.",
@@ -100,9 +101,10 @@ def export_command(
         if kind.calibrated:
             from compress.export.calibrated import export_calibrated
             from compress.checkpoints.calibration import CalibrationSpec
+            from compress.checkpoints.loading import ComputeDtype
 
             result = export_calibrated(config, kind, CalibrationSpec(path=calib, samples=samples, seq_len=seq_len), progress, device=device,
-                                       **settings)
+                                       compute_dtype=ComputeDtype(compute_dtype), **settings)
         else:
             if calib is not None:
                 from compress.export.imatrix import ImatrixConfig, run_imatrix

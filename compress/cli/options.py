@@ -6,6 +6,11 @@ import typer
 
 JSON_OPT = typer.Option(False, "--json", help="Print machine-readable JSON on stdout instead of tables.")
 DEVICE_OPT = typer.Option("cpu", "--device", help="Compute device: cpu or cuda.")
+COMPUTE_DTYPE_OPT = typer.Option(
+    "auto", "--compute-dtype",
+    help="Dtype of the forward passes while compressing: auto (the checkpoint's where the device multiplies it natively, "
+    "else float32), float32, bfloat16 or float16. Statistics and solves stay float32 or wider.",
+)
 # Options shared by the commands that read a checkpoint and write an output (quantize, prune, export, imatrix, measure).
 MODEL_ARG = typer.Argument(..., help="Checkpoint directory (Hugging Face layout), or a .gguf file (converted to float32 first).")
 OUTPUT_OPT = typer.Option(..., "-o", "--output", help="Output directory (written atomically).")

@@ -39,7 +39,7 @@ from compress.engine.activations import scratch_beside
 from compress.engine.block_engine import Engine, Stage
 from compress.engine.ranks import Ranks
 from compress.errors import CompressError
-from compress.checkpoints.loading import load_tokenizer, resolve_device
+from compress.checkpoints.loading import ComputeDtype, load_tokenizer, model_dtype, resolve_compute_dtype, resolve_device
 from compress.export.gguf import ExportConfig, ExportResult, GGUFMethod, check_importance, check_output, export_gguf
 from compress.export.gguf_tensors import tensor_plan
 from compress.export.gguf_arch import read_config
@@ -141,9 +141,11 @@ def method_configs(method: GGUFMethod, options: dict) -> tuple[GGUFGPTQMethodCon
 def export_calibrated(
     config: ExportConfig, method: GGUFMethod, calibration: CalibrationSpec, progress: ProgressFn | None = None,
     gptq: GGUFGPTQMethodConfig | None = None, awq: GGUFAWQMethodConfig | None = None, device: str = "cpu",
+    compute_dtype: ComputeDtype = ComputeDtype.auto,
 ) -> ExportResult:
     """Calibrate ``config.model`` with ``method`` (gptq, awq or awq-gptq) on ``calibration`` (a recipe's
-    calibration section) and write the GGUF file ``config.output``."""
+    calibration section) and write the GGUF file ``config.output``; the block forwards run in ``compute_dtype``
+    (`resolve_compute_dtype`)."""
     start = time.perf_counter()
     if not method.calibrated:
         raise CompressError(f"--method {method.value} needs no calibration: use export_gguf")
@@ -178,7 +180,8 @@ def export_calibrated(
             head = FINAL_NORMS[handle.config.model_type]
     ranks = Ranks.from_environment(device)  # under a launcher: data-parallel calibration, weight-parallel solves
     asymmetric = solver is not None and solver.config.asymmetric
-    engine = Engine(handle, stages, device, batch_size=calibration.batch_size, progress=progress, keep_final_hidden=head is not None,
+    dtype, _ = resolve_compute_dtype(compute_dtype, model_dtype(handle.config), device)
+    engine = Engine(handle, stages, device, dtype, batch_size=calibration.batch_size, progress=progress, keep_final_hidden=head is not None,
                     ranks=ranks, activation_memory=calibration.activation_memory, scratch=scratch_beside(config.output),
                     outer_weights=_rounded_embeddings(handle, stored) if asymmetric and embed is None else None)
     engine.check_stages()  # before the calibration set is tokenized

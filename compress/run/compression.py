@@ -23,7 +23,7 @@ from compress.engine.ranks import Ranks
 from compress.checkpoints.background import Background
 from compress.eval.perplexity import EvalResult
 from compress.errors import CompressError
-from compress.checkpoints.loading import load_tokenizer, resolve_device
+from compress.checkpoints.loading import load_tokenizer, model_dtype, resolve_compute_dtype, resolve_device
 from compress.eval.checkpoint import evaluate_checkpoint
 from compress.formats.packers import make_format
 from compress.checkpoints.model_io import get_weight, open_model, quantizable_layers
@@ -211,8 +211,11 @@ def run_stages(
     cal = recipe.calibration
     observer = kv_observer(recipe)  # calibrated KV-cache scales, collected on the engine's block runs
     ranks = Ranks.from_environment(device)  # under torchrun / accelerate launch: this process's part of the run
+    dtype, why = resolve_compute_dtype(recipe.compute_dtype, model_dtype(handle.config), device)
+    if dtype != torch.float32 or why != "the checkpoint's":
+        notes.append(f"forward passes in {str(dtype).removeprefix('torch.')} ({why})")
     engine = Engine(
-        handle, stages, device, batch_size=cal.batch_size if cal else 8, progress=progress, on_layer=on_layer, packer=packer,
+        handle, stages, device, dtype, batch_size=cal.batch_size if cal else 8, progress=progress, on_layer=on_layer, packer=packer,
         observer=observer, all_experts=cal.all_experts if cal else True, ranks=ranks,
         activation_memory=cal.activation_memory if cal else None, scratch=scratch_beside(recipe.output.path),
         window_chunks=window_chunks,

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from compress.checkpoints.loading import model_dtype
 from compress.checkpoints.shards import ShardedWriter
 from compress.engine.kv_calibration import KVCacheCalibration
 from compress.formats.compressed_tensors import CT_VERSION
@@ -16,14 +17,6 @@ from compress.run.recipe import Recipe
 def kv_observer(recipe: Recipe) -> KVCacheCalibration | None:
     """The engine observer that collects the KV statistics, if the recipe asks for calibrated scales."""
     return KVCacheCalibration(recipe.kv_cache) if recipe.kv_cache is not None else None
-
-
-def model_dtype(config) -> torch.dtype:
-    """The checkpoint's float dtype (config ``dtype``/``torch_dtype``), in which compressed-tensors keeps scales."""
-    value = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
-    if isinstance(value, str):
-        value = getattr(torch, value, None)
-    return value if isinstance(value, torch.dtype) and value.is_floating_point else torch.float32
 
 
 def store_kv_scales(observer: KVCacheCalibration | None, writer: ShardedWriter, config) -> dict[str, Any] | None:

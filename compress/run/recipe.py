@@ -30,6 +30,7 @@ from compress.distill.config import DistillSpec
 from compress.errors import CompressError
 from compress.run.export_stage import ExportSpec
 from compress.checkpoints.calibration import CalibrationSpec
+from compress.checkpoints.loading import ComputeDtype
 from compress.formats.base import OutputFormat
 from compress.quantizers.kv_cache import KVCacheFormat
 from compress.engine.kv_calibration import KVCacheSpec
@@ -97,6 +98,8 @@ class Recipe(_Strict):
     calibration: CalibrationSpec | None = None
     evaluation: EvaluationSpec | None = None
     device: Device = Device.cpu
+    # the block forwards' dtype: auto = the checkpoint's where the device computes it natively, else float32
+    compute_dtype: ComputeDtype = ComputeDtype.auto
     trust_remote_code: bool = False
     distill: DistillSpec | None = None  # after the stages (if any): distil into the compressed model
     export: ExportSpec | None = None  # after the run: also write the output checkpoint as one GGUF file
