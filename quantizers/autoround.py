@@ -108,7 +108,8 @@ def autoround(
             loss = 0.0
             for i in picked:
                 out = forward(leaves, inputs[i])
-                sample = (out.to(targets[i].dtype) - targets[i]).square().sum() / count
+                dtype = torch.promote_types(targets[i].dtype, torch.float32)  # the error in float32 at least
+                sample = (out.to(dtype) - targets[i].to(dtype)).square().sum() / count
                 sample.backward()
                 loss += float(sample.detach())
             torch.autograd.backward(list(quantized.values()), [leaves[n].grad for n in quantized])

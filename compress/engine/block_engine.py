@@ -113,9 +113,11 @@ class Engine:
         self.batch_size = batch_size
         self.progress = progress or (lambda phase, done, total: None)
         self.on_layer = on_layer or (lambda report: None)
-        self.needs_data = any(method.needs for stage in stages for method in stage.methods()) or observer is not None
-        # asymmetric calibration: the uncompressed model's block inputs travel beside the compressed model's
-        self.needs_reference = any(Stat.INPUT_DRIFT in method.needs for stage in stages for method in stage.methods())
+        methods = [method for stage in stages for method in stage.methods()]
+        self.needs_data = any(method.needs or method.block_inputs for method in methods) or observer is not None
+        # asymmetric calibration, a method fitting blocks to float outputs: the uncompressed model's block inputs
+        # travel beside the compressed model's
+        self.needs_reference = any(Stat.INPUT_DRIFT in method.needs or method.block_inputs for method in methods)
         self.reference: ReferenceStream | None = None
         self._block_names = [handle.block_name(i) for i in range(len(handle.blocks))]
         self._call_orders: dict[tuple, CallOrder] = {}  # (block class, selected layers) -> relative names, see _call_order
@@ -251,7 +253,7 @@ class Engine:
         collector.combine(self.ranks)
         stats = collector.results()
         tokens = expert_tokens(block_name, routing, collector, self.ranks) if collector.needs else {}
-        replay = Replay(lambda: self._run_block(block, inputs), self.ranks)  # methods that measure outputs
+        replay = Replay(lambda: self._run_block(block, inputs), self.ranks, inputs, self.reference)  # methods that measure outputs
         reports = []
         for method, part in stage.split(group):
             parallel = self.ranks.world > 1 and method.layerwise

@@ -26,7 +26,7 @@ def check_stages(stages: list[Stage], handle: ModelHandle, in_blocks: tuple[str,
         for name, module in stage.layers.items():
             out_features, in_features = get_weight(module).shape
             stage.method_for(name).check_layer(name, out_features, in_features)
-        if any(method.needs for method in stage.methods()):
+        if any(method.needs or method.block_inputs for method in stage.methods()):
             outside = [n for n in stage.layers if not n.startswith(in_blocks)]
             if outside:
                 raise CompressError(
@@ -52,7 +52,7 @@ def check_calibration(calibration: torch.Tensor | None, needs_data: bool, stages
     """The calibration windows are there when ``needs_data`` (a method or the ``observer`` needs them), and at least
     one per process of the ``world``."""
     if needs_data and calibration is None:
-        names = [s.method.name for s in stages if any(m.needs for m in s.methods())]
+        names = [s.method.name for s in stages if any(m.needs or m.block_inputs for m in s.methods())]
         who = f"method {', '.join(names)}" if names else observer.name
         raise CompressError(f"{who} needs calibration data: pass --calib PATH")
     if needs_data and calibration.shape[0] < world:

@@ -166,10 +166,14 @@ class Ranks:
 @dataclass
 class Replay:
     """``replay()`` runs the block on this rank's calibration inputs again (see `Method.transform_block`);
-    ``ranks`` lets a method that measures those outputs combine its figures over all ranks."""
+    ``ranks`` lets a method that measures those outputs combine its figures over all ranks. ``inputs``: those
+    calls, ``(hidden, args, kwargs)`` batches; ``reference``: the uncompressed model's stream (`compress.engine.
+    reference.ReferenceStream`) where the engine carries one (a method's `Method.block_inputs`)."""
 
     run: Callable[[], list[torch.Tensor]]
     ranks: Ranks
+    inputs: Any = None
+    reference: Any = None
 
     def __call__(self) -> list[torch.Tensor]:
         return self.run()

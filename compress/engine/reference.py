@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from compress.engine.activations import Activations
-from compress.engine.passes import inputs_of, propagate
+from compress.engine.passes import inputs_of, propagate, run_block
 
 
 class ReferenceStream:
@@ -49,6 +49,10 @@ class ReferenceStream:
         if not calls:
             raise ValueError(f"{name} was called more often than in the uncompressed model")
         return calls.pop(0)
+
+    def outputs(self) -> list[torch.Tensor]:
+        """The untouched block's outputs on the original inputs, batch by batch: the uncompressed model's."""
+        return run_block(self._block, self.inputs)
 
     def advance(self) -> None:
         """Move on to the next block: its original inputs are this block's original outputs."""

@@ -97,6 +97,13 @@ class Method:
         return None
 
     @property
+    def block_inputs(self) -> bool:
+        """True: `transform_block` reads the block's calibration calls (``replay.inputs``) and the uncompressed
+        model's view of them (``replay.reference``: its inputs and the untouched block's outputs), so the engine
+        captures the calibration data and carries the uncompressed model's stream beside it, as for `Stat.INPUT_DRIFT`."""
+        return False
+
+    @property
     def sequential(self) -> bool:
         """True: transform a block's layers group by group in forward order, each group's statistics
         collected after the groups before it were transformed (GPTQ's "true sequential")."""
@@ -141,7 +148,8 @@ class Method:
 
         ``replay()`` runs the block on the calibration inputs again (None outside blocks), for methods
         that measure the block's outputs under candidate weights (AWQ's scale search); ``replay.ranks``
-        combines such figures over the processes that share the calibration data (`compress.engine.ranks`)."""
+        combines such figures over the processes that share the calibration data (`compress.engine.ranks`); with
+        `block_inputs`, ``replay.inputs`` and ``replay.reference`` hold the calls themselves."""
         reports = {}
         for names in _by_shared_statistics(layers, stats):
             start = time.perf_counter()

@@ -1,0 +1,114 @@
+"""AutoRound as an engine method: each decoder block's selected layers learn their rounding and clipping together
+(`compress.quantizers.autoround`), the block run with the differentiable quantized weights swapped in
+(`torch.func.functional_call`: the block itself is not changed until the chosen weights are set).
+
+Inputs and targets, as auto-round takes them: the block's calibration windows as the compressed model feeds them
+(``enable_quanted_input``; else the uncompressed model's), fitted to the uncompressed block's outputs on the
+uncompressed model's inputs (`compress.engine.reference`, which `Method.block_inputs` asks the engine to carry).
+One window is one sample; ``batch_size`` windows make a step.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from pydantic import Field
+from torch.func import functional_call
+
+from compress.checkpoints.model_io import get_weight, is_conv1d, set_weight
+from compress.engine.methods.base import LayerOutcome, LayerReport, Method
+from compress.engine.methods.rtn import WeightQuantConfig, check_group_size
+from compress.engine.one_pass import windows_of
+from compress.engine.passes import block_output
+from compress.engine.registry import register_method
+from compress.errors import CompressError
+from compress.quantizers.autoround import AutoRoundConfig, autoround
+
+
+class AutoRoundMethodConfig(WeightQuantConfig):
+    """auto-round's names for its settings."""
+
+    iters: int = Field(200, ge=0, description="signed-gradient steps per block (0: round to nearest)")
+    lr: float | None = Field(None, gt=0, description="step size of the rounding offsets, decayed linearly to 0 (default 1/iters)")
+    minmax_lr: float | None = Field(None, gt=0, description="step size of the min/max clipping factors (default lr)")
+    batch_size: int = Field(8, ge=1, description="calibration windows per step")
+    enable_minmax_tuning: bool = Field(True, description="learn each group's min/max clipping factors beside the rounding")
+    enable_quanted_input: bool = Field(True, description="fit each block on the compressed model's inputs (else the uncompressed model's)")
+    not_use_best_mse: bool = Field(False, description="keep the last step's parameters instead of the lowest-loss step's")
+    seed: int = Field(0, description="order of the calibration windows over the steps")
+
+    def core(self) -> AutoRoundConfig:
+        return AutoRoundConfig(self.iters, self.lr, self.minmax_lr, self.batch_size, self.enable_minmax_tuning,
+                               not self.not_use_best_mse, self.seed)
+
+
+def _windows(batches) -> list:
+    """One ``(hidden, args, kwargs)`` call per calibration window, cut from the batches (`one_pass.windows_of`)."""
+    calls = []
+    for batch in batches:
+        count = batch[0].shape[0]
+        calls += [windows_of(tuple(batch), count, slice(i, i + 1)) for i in range(count)] if count > 1 else [tuple(batch)]
+    return calls
+
+
+def _graph_ready(value):
+    """``value`` with its inference-mode tensors copied (the engine's passes make them; autograd cannot save them)."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.is_inference() else value
+    if isinstance(value, (tuple, list)):
+        return type(value)(_graph_ready(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _graph_ready(v) for k, v in value.items()}
+    return value
+
+
+@register_method("autoround")
+class AutoRound(Method):
+    """Learn each weight's rounding offset and each group's clipping by signed gradient descent on the block's output."""
+
+    Config = AutoRoundMethodConfig
+
+    @property
+    def block_inputs(self) -> bool:
+        return True
+
+    def check_layer(self, name: str, out_features: int, in_features: int) -> None:
+        check_group_size(name, in_features, self.config.group_size)
+
+    def transform_block(self, block, layers, stats, replay=None) -> list[LayerReport]:
+        if replay is None or replay.inputs is None or replay.reference is None:
+            raise CompressError(f"autoround fits decoder blocks: exclude {next(iter(layers))}, outside them")
+        if replay.ranks.world > 1:
+            raise CompressError("autoround runs in one process: launch it without torchrun/accelerate")
+        start = time.perf_counter()
+        relative = {module: name for name, module in block.named_modules()}
+        selected = {relative[m]: full for full, m in layers.items()}  # relative name -> full name
+        modules = {rel: block.get_submodule(rel) for rel in selected}
+        weights = {rel: get_weight(m).detach().float() for rel, m in modules.items()}
+        grids = {rel: self.config.scheme() for rel in selected}
+        stream = replay.inputs if self.config.enable_quanted_input else replay.reference.inputs
+        inputs = _windows(stream)
+        targets = [call[0] for call in _windows([(y, (), {}) for y in replay.reference.outputs()])]
+        fixed = {name: _graph_ready(p.detach()) for name, p in block.named_parameters()}
+
+        def forward(ws: dict[str, torch.Tensor], call) -> torch.Tensor:
+            swapped = dict(fixed)
+            for rel, w in ws.items():
+                stored = modules[rel].weight
+                swapped[f"{rel}.weight"] = (w.t() if is_conv1d(modules[rel]) else w).to(stored.dtype)
+            hidden, args, kwargs = _graph_ready(call)
+            return block_output(functional_call(block, swapped, (hidden, *args), kwargs))
+
+        result = autoround(forward, weights, inputs, targets, self.config.core(), grids)
+        reports = []
+        with torch.no_grad():
+            for rel, full in selected.items():
+                quant = result.layers[rel]
+                set_weight(modules[rel], quant.weight)
+                info = {**quant.stats, **result.stats}
+                self.keep_outcome(full, LayerOutcome(quant.weight, info, quant=quant))
+                reports.append(LayerReport(full, tuple(weights[rel].shape), 0.0, info))
+        for report in reports:  # one fit serves the whole block: share its time evenly
+            report.seconds = (time.perf_counter() - start) / len(reports)
+        return reports
