@@ -136,6 +136,7 @@ def _protocol_line(report: dict) -> str:
         f"windows of {p['ctx']} tokens, stride {p['stride']}, every token after the first scored once; "
         f"KLD = KL(P_baseline ‖ P_output) per scored token. Bits per weight over the decoder-block linear layers; "
         f"* = nominal (fake-quantized dense checkpoint: code bits + fp16 scale per group)."
+        + (f" Perplexities scored by {p['backend']}, which gives no KLD." if p.get("backend") else "")
     )
 
 

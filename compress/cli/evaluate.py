@@ -12,6 +12,28 @@ import typer
 from compress.cli.console import console, key_value_table, print_json, progress_bars, stdout, user_errors
 from compress.cli.options import DEVICE_OPT, JSON_OPT
 
+BACKEND_HELP = "Who scores the checkpoint: ours (PyTorch, perplexity and KLD) or vllm (vLLM in its own venv, perplexity only)."
+VLLM_PYTHON_HELP = "--backend vllm: the Python of a venv with vLLM (default: ~/.cache/llm-compress/vllm-venv, built by bench/anchors/vllm_venv.py)."
+VLLM_DTYPE_HELP = "--backend vllm: vLLM's compute dtype: float32 (what ours computes in), bfloat16, or auto (the checkpoint's; what a server runs)."
+
+
+def backend_choice(backend: str) -> str:
+    """``ours`` or ``vllm``; anything else is a one-line error."""
+    from compress.errors import CompressError
+
+    if backend not in ("ours", "vllm"):
+        raise CompressError(f"--backend {backend!r} is not valid: choose ours or vllm")
+    return backend
+
+
+def _eval_vllm(model: Path, text: Path, ctx: int, stride, max_tokens, kv_cache, vllm_python, vllm_dtype, progress):
+    from compress.eval.vllm_backend import VllmSettings, evaluate_vllm_checkpoint
+
+    progress("evaluation (vLLM)", 0, 1)
+    result = evaluate_vllm_checkpoint(model, text, ctx, stride, max_tokens, VllmSettings(vllm_python, vllm_dtype), kv_cache)
+    progress("evaluation (vLLM)", 1, 1)
+    return result
+
 
 @user_errors
 def eval_ppl(
@@ -37,6 +59,9 @@ def eval_ppl(
              "directory) for later --reference-cache runs on the same text, --ctx, --stride and --max-tokens.",
     ),
     top_k: int = typer.Option(256, "--top-k", help="With --save-reference: log-probabilities kept per token."),
+    backend: str = typer.Option("ours", "--backend", help=BACKEND_HELP),
+    vllm_python: Optional[Path] = typer.Option(None, "--vllm-python", help=VLLM_PYTHON_HELP),
+    vllm_dtype: str = typer.Option("float32", "--vllm-dtype", help=VLLM_DTYPE_HELP),
     device: str = DEVICE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
@@ -47,6 +72,9 @@ def eval_ppl(
     from compress.eval.kv_cache import parse_kv_cache
 
     kv_choice = parse_kv_cache(kv_cache)
+    use_vllm = backend_choice(backend) == "vllm"
+    if use_vllm and (reference is not None or reference_cache is not None or save_reference is not None):
+        raise CompressError("--backend vllm gives perplexity only: drop --reference, --reference-cache and --save-reference, or use --backend ours")
     if save_reference is not None and (reference is not None or reference_cache is not None or kv_cache not in (None, "none")):
         raise CompressError("--save-reference runs MODEL as the reference (unquantized KV cache): drop --reference, --reference-cache and --kv-cache")
 
@@ -54,7 +82,9 @@ def eval_ppl(
     with progress_bars(not as_json) as progress, checkpoint_source(model, progress) as model_dir, \
             checkpoint_source(reference, progress) if reference is not None else nullcontext() as reference_dir:
         on_batch = lambda d, t: progress("evaluation", d, t)  # noqa: E731
-        if save_reference is not None:
+        if use_vllm:
+            result = _eval_vllm(model_dir, text, ctx, stride, max_tokens, kv_cache, vllm_python, vllm_dtype, progress)
+        elif save_reference is not None:
             result, saved = save_reference_checkpoint(
                 model_dir, text, save_reference, ctx, stride, top_k, batch_size, device, max_tokens, on_batch, source=str(model),
             )
@@ -63,13 +93,16 @@ def eval_ppl(
                 model_dir, text, ctx, stride, batch_size, reference_dir, device, max_tokens, on_batch,
                 kv_cache=kv_choice, reference_cache_path=reference_cache,
             )
-    data = {"model": str(model), "text": str(text), "ctx": ctx, "stride": stride or ctx, **result.to_dict()}
+    data = {"model": str(model), "text": str(text), "ctx": ctx, "stride": stride or ctx, "backend": backend, **result.to_dict()}
+    if use_vllm:
+        data["vllm_dtype"] = vllm_dtype
     if saved is not None:
         data.update(saved_reference=str(saved), top_k=top_k)
     if as_json:
         print_json(data)
         return
     rows = {
+        "scored by": f"vLLM ({vllm_dtype})" if use_vllm else "ours (PyTorch)",
         "perplexity": f"{result.perplexity:.4f}",
         "tokens scored": result.tokens_scored,
         "tokens/s": f"{result.tokens_per_second:.0f}",

@@ -14,6 +14,7 @@ import typer
 from rich.table import Table
 
 from compress.cli.console import console, key_value_table, print_json, progress_bars, stdout, user_errors
+from compress.cli.evaluate import VLLM_DTYPE_HELP, VLLM_PYTHON_HELP, backend_choice
 
 GGUF_BACKEND_HELP = "GGUF files: auto (llama.cpp when llama-cpp-python is installed, else dequantize), llama-cpp or dequantize."
 
@@ -67,23 +68,36 @@ def report_command(
     max_tokens: Optional[int] = typer.Option(None, "--max-tokens", help="Evaluate only the first N tokens."),
     gguf_backend: str = typer.Option("auto", "--gguf-backend", help=GGUF_BACKEND_HELP),
     x_axis: str = typer.Option("size", "--x", help="Plot x axis: size (MB on disk) or bpw (bits per weight)."),
-    y_axis: str = typer.Option("kld", "--y", help="Plot y axis: kld (mean KLD) or ppl (perplexity)."),
+    y_axis: Optional[str] = typer.Option(None, "--y", help="Plot y axis: kld (mean KLD; the default) or ppl (perplexity; the default with --backend vllm)."),
     tasks: Optional[str] = typer.Option(None, "--tasks", help="Also run these lm-eval tasks (comma-separated) on every checkpoint."),
     limit: Optional[int] = typer.Option(None, "--limit", help="lm-eval: documents per task."),
     kv_cache: Optional[str] = typer.Option(
         None, "--kv-cache", help="Simulate this KV-cache format in every output (fp8, int8, int4, q8_0, q4_0, none; default: each one's calibrated kv_cache).",
     ),
+    backend: str = typer.Option("ours", "--backend", help="Who scores the checkpoints: ours (PyTorch: ppl and KLD) or vllm (vLLM in its own venv: ppl only; a checkpoint it refuses is a row saying why)."),
+    vllm_python: Optional[Path] = typer.Option(None, "--vllm-python", help=VLLM_PYTHON_HELP),
+    vllm_dtype: str = typer.Option("float32", "--vllm-dtype", help=VLLM_DTYPE_HELP),
     device: str = typer.Option("cpu", "--device", help="Compute device: cpu or cuda."),
     as_json: bool = typer.Option(False, "--json", help="Print report.json on stdout instead of the table."),
 ) -> None:
     """Evaluate outputs under one protocol (ppl, KLD, size, bits/weight, sparsity); write md/html/json and a plot."""
+    from compress.errors import CompressError
     from compress.eval.report import Protocol, evaluate_outputs
     from compress.eval.report_render import write_report
 
-    backend, x, y = _enums(gguf_backend, x_axis, y_axis)
+    use_vllm = backend_choice(backend) == "vllm"
+    if use_vllm and tasks:
+        raise CompressError("--tasks runs lm-eval on our loaded model: drop it with --backend vllm, or use --backend ours")
+    gguf, x, y = _enums(gguf_backend, x_axis, y_axis or ("ppl" if use_vllm else "kld"))
     protocol = Protocol(text, ctx, stride, batch_size, max_tokens, device, kv_cache=kv_cache)
     with progress_bars(not as_json) as progress:
-        report = evaluate_outputs(outputs, baseline, protocol, backend, progress).to_dict()
+        if use_vllm:
+            from compress.eval.vllm_backend import VllmSettings
+            from compress.eval.vllm_report import evaluate_outputs_vllm
+
+            report = evaluate_outputs_vllm(outputs, baseline, protocol, VllmSettings(vllm_python, vllm_dtype), progress).to_dict()
+        else:
+            report = evaluate_outputs(outputs, baseline, protocol, gguf, progress).to_dict()
         if tasks:
             _lm_eval_extra(report, list(_split(tasks, str, "--tasks")), limit, device, progress)
     files = write_report(report, output, x, y)
