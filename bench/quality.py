@@ -62,7 +62,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.methods.split(","):
             name, options = parse_method(spec)
-            needs_data = bool(method_class(name)(method_class(name).Config(**options)).needs)
+            method = method_class(name)(method_class(name).Config(**options))
+            needs_data = bool(method.needs or method.block_inputs)
             for (bits, group), rotation in ((s, r) for s in settings for r in args.rotations.split(",")):
                 rotate = [] if rotation == "none" else [{"method": "rotate", "kind": rotation}]
                 data = {
