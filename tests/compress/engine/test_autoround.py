@@ -68,3 +68,9 @@ def test_outside_blocks_is_a_clear_error(tmp_path, tiny_llama):
                     "--include", "lm_head", *CALIB)
     assert result.exit_code == 2
     assert "exclude lm_head" in result.stderr
+
+
+def test_without_calibration_is_a_clear_error(tmp_path, tiny_llama):
+    result = invoke("quantize", tiny_llama, "-o", tmp_path / "o", "--method", "autoround", "--group-size", "32")
+    assert result.exit_code == 2
+    assert result.stderr.strip() == "error: method autoround needs calibration data: pass --calib PATH"
