@@ -3,7 +3,9 @@ compressed-tensors checkpoint that transformers loads, closer to the float model
 
 from __future__ import annotations
 
+import hashlib
 import json
+import shutil
 
 import torch
 from safetensors.torch import load_file
@@ -11,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from compress.cli import app
+from compress.engine.journal import BlockJournal
 from conftest import CALIB_TEXT, EVAL_TEXT
 
 runner = CliRunner()
@@ -74,3 +77,29 @@ def test_without_calibration_is_a_clear_error(tmp_path, tiny_llama):
     result = invoke("quantize", tiny_llama, "-o", tmp_path / "o", "--method", "autoround", "--group-size", "32")
     assert result.exit_code == 2
     assert result.stderr.strip() == "error: method autoround needs calibration data: pass --calib PATH"
+
+
+def test_a_resumed_run_writes_the_same_bytes(tmp_path, tiny_llama, monkeypatch):
+    """Killed after block 0's record (simulated as tests/compress/engine/test_journal.py does) and resumed: the journal
+    restores the uncompressed model's stream, and the steps' sample order is seeded, so the output is the same."""
+    out, killed = tmp_path / "out", tmp_path / ".out.partial-999999"
+    argv = ["quantize", tiny_llama, "-o", out, "--bits", "3", "--group-size", "32", "--method", "autoround", "-O", "iters=4", *CALIB]
+    assert invoke(*argv).exit_code == 0
+    digests = lambda: {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(out.rglob("*")) if p.is_file()}  # noqa: E731
+    whole = digests()
+    shutil.rmtree(out)
+    record = BlockJournal.block_done
+
+    def done(self, index, *args):
+        record(self, index, *args)
+        if index == 0:
+            shutil.copytree(self.root.parent, killed)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(BlockJournal, "block_done", done)
+        assert invoke(*argv).exit_code == 0
+    shutil.rmtree(out)
+    resumed = invoke(*argv, "--resume")
+    assert resumed.exit_code == 0, resumed.output
+    assert digests() == whole
+    assert not killed.exists()  # the killed run's directory became the output: the run went on from it
