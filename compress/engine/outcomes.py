@@ -77,7 +77,8 @@ class LayerOutcomes:
         if quant is None:
             log.warning("%s has quantized inputs but no weight codes: it is written dense (activation settings in the record)", name)
             return None
-        if not torch.equal(get_weight(module).detach().float(), quant.weight.to(module.weight.device).float()):
+        held = get_weight(module).detach()  # in the forwards' dtype: a bfloat16 block holds the codes' values rounded
+        if not torch.equal(held, quant.weight.to(held.device, held.dtype)):
             log.warning("%s was changed after it was quantized: it is written dense (fake-quantized)", name)
             return None
         reason = self.packer.reason_not_packable(quant, is_conv1d(module), activations)
