@@ -1,5 +1,6 @@
 """Compiled inner loops, built on first use with the machine's C compiler: GPTQ's column loops (``csrc/columns.c``)
-and, through `compiled`, other packages' sources (the GGUF encoders' scale search, ``formats/gguf/csrc``).
+and, through `compiled`, other sources (the clipping search, ``csrc/clipping.c``; the GGUF encoders' scale search,
+``formats/gguf/csrc``).
 
 GPTQ's column loop runs ~10 small tensor operations per column; through torch each costs about a microsecond of
 dispatch, more than its arithmetic on a layer of a few thousand rows, and the loop holds the interpreter's lock, so
@@ -12,8 +13,9 @@ and renamed (ranks building at once do not see a half-written file); later proce
 keep the torch loop's numerics: no fused multiply-adds (``-ffp-contract=off``), no fast-math; the instruction set is
 chosen when the library is loaded, not when it is built (``target_clones``: AVX2 where the CPU has it, the
 architecture's baseline otherwise), so the file runs on any CPU of its architecture. Without a compiler, or where
-the build fails, `compiled` returns None and the callers keep their torch or numpy loops: the same bits, only slower.
-``COMPRESS_NATIVE=0`` asks for those everywhere.
+the build fails, `compiled` returns None and the callers keep their torch or numpy loops: the same bits, only slower
+(the clipping search alone takes its powers by polynomials, so it may choose differently at near-ties: see
+`compress.quantizers.clipping`). ``COMPRESS_NATIVE=0`` asks for those everywhere.
 """
 
 from __future__ import annotations
@@ -50,17 +52,18 @@ def columns_library() -> ctypes.CDLL | None:
     return compiled(SOURCE, SIGNATURES)
 
 
-def compiled(source: Path, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | None:
-    """``source`` built and loaded, its functions' argument types set from ``signatures`` (``(name, types)`` pairs;
-    each returns void); None where ``COMPRESS_NATIVE=0`` or it cannot be built or loaded."""
+def compiled(source: Path, signatures: tuple[tuple[str, tuple], ...], extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    """``source`` built (with the `FLAGS` and ``extra`` ones) and loaded, its functions' argument types set from
+    ``signatures`` (``(name, types)`` pairs; each returns void); None where ``COMPRESS_NATIVE=0`` or it cannot be
+    built or loaded."""
     if os.environ.get("COMPRESS_NATIVE", "1") == "0":
         return None
-    return _load(source, signatures)
+    return _load(source, signatures, extra)
 
 
 @functools.cache
-def _load(source: Path, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDLL | None:
-    path = _built(source)
+def _load(source: Path, signatures: tuple[tuple[str, tuple], ...], extra: tuple[str, ...] = ()) -> ctypes.CDLL | None:
+    path = _built(source, extra)
     if path is None:
         return None
     try:
@@ -74,14 +77,14 @@ def _load(source: Path, signatures: tuple[tuple[str, tuple], ...]) -> ctypes.CDL
     return library
 
 
-def _built(source: Path) -> Path | None:
+def _built(source: Path, extra: tuple[str, ...] = ()) -> Path | None:
     """The shared library of ``source`` in the cache, compiled if missing; None where it cannot be built."""
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         log.info("no C compiler (cc): %s's loops run uncompiled", source.name)
         return None
     text = source.read_bytes()
-    for flags in ((*FLAGS, CLONES), FLAGS):
+    for flags in ((*FLAGS, *extra, CLONES), (*FLAGS, *extra)):
         key = hashlib.sha256(text + " ".join(flags).encode() + platform.machine().encode()).hexdigest()[:16]
         path = cache_dir() / f"{source.stem}-{key}.so"
         if path.exists():
