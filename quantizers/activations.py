@@ -6,7 +6,13 @@ input ``x [..., in_features]`` is quantized symmetrically, ``x ≈ s · q`` with
 
 - per token, dynamic: one scale per token vector, ``s = max_j |x_j| / qmax``, computed at run time;
 - per tensor, static: one scale calibrated offline (``s = max |X| / qmax`` over calibration data) and
-  stored beside the weight as ``input_scale``; values beyond it saturate.
+  stored beside the weight as ``input_scale``; values beyond it saturate to the whole int8 range
+  ``[−2**(bits−1), 2**(bits−1) − 1]``, as the consumers' kernels do (vLLM's ``static_scaled_int8_quant``,
+  compressed-tensors' int8 range): a negative input below the calibrated range reaches ``−128 · s``.
+
+Rounding is to nearest, ties to even, of ``x / s`` in float32, the dynamic scale ``max_j |x_j| / qmax`` in
+float32: what vLLM's CPU kernels (``dynamic_scaled_int8_quant``, ``static_scaled_int8_quant``) compute for a
+float32 model, element for element (bench/vllm_check.py compares the two end to end).
 
 `quantize_activations` returns the dequantized input, so a float matmul on it computes exactly what
 an int8 GEMM followed by rescaling computes (up to float accumulation order).
@@ -172,5 +178,6 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, scale: torch
         if scale is None:
             raise ValueError("static activation quantization needs the calibrated input_scale")
         s = scale.to(device=x.device, dtype=torch.float32)
-    q = torch.clamp(torch.round(xf / s), -scheme.qmax, scheme.qmax)
+    low = -scheme.qmax if scheme.dynamic else -scheme.qmax - 1  # static: the int8 type's own range saturates
+    q = torch.clamp(torch.round(xf / s), low, scheme.qmax)
     return (q * s).to(x.dtype)

@@ -69,9 +69,10 @@ def test_w8a8_forward_quantizes_inputs_like_an_int8_gemm(static):
     act = ActivationScheme(8, ActGranularity.TENSOR if static else ActGranularity.TOKEN, not static, True)
     layer = QuantLinear(64, 16, tensors, ct.dequantize_int_quantized, activations=act, layout="int-quantized")
     x = random_weight((3, 64), 4)
-    # Textbook: int8 inputs (symmetric, qmax 127) times int8 weights, rescaled.
+    # Textbook: int8 inputs (symmetric, qmax 127; a static scale saturates to int8's [-128, 127], as vLLM's
+    # static_scaled_int8_quant does) times int8 weights, rescaled.
     s_x = torch.full((3, 1), 0.02) if static else x.abs().amax(-1, keepdim=True) / 127
-    q_x = torch.clamp(torch.round(x / s_x), -127, 127)
+    q_x = torch.clamp(torch.round(x / s_x), -128 if static else -127, 127)
     q_w = tensors["weight"].float()
     expected = (q_x @ q_w.T) * s_x * tensors["weight_scale"].float().T
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)

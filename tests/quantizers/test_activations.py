@@ -19,13 +19,23 @@ def test_per_token_dynamic_matches_elementwise_reference():
                 assert got[b, t, j].item() == pytest.approx(expected, rel=1e-5, abs=1e-9)
 
 
-def test_static_per_tensor_saturates_beyond_the_calibrated_range():
+def test_static_per_tensor_saturates_to_the_int8_range_beyond_the_calibrated_range():
+    """vLLM's static_scaled_int8_quant (its CPU and CUDA kernels) saturates to int8's own [-128, 127]: -5 with
+    scale 2/127 is stored as -128, i.e. -128 * s; the positive side stops at 127 * s."""
     scheme = ActivationScheme(8, ActGranularity.TENSOR, dynamic=False)
     scale = static_scale(torch.tensor([2.0, 1.0]), scheme)
     x = torch.tensor([[0.5, -1.0, 3.0, -5.0]])
     got = quantize_activations(x, scheme, scale)
     s = 2.0 / 127
-    assert torch.allclose(got, torch.tensor([[round(0.5 / s) * s, round(-1.0 / s) * s, 2.0, -2.0]]), atol=1e-6)
+    assert torch.allclose(got, torch.tensor([[round(0.5 / s) * s, round(-1.0 / s) * s, 2.0, -128 * s]]), atol=1e-6)
+
+
+def test_rounding_ties_go_to_even_as_vllms_kernels_round():
+    """vLLM's int8 quant kernels round x / s to nearest, ties to even (measured on its CPU build: 0.5 -> 0,
+    1.5 -> 2, 2.5 -> 2, -2.5 -> -2 with s = 1)."""
+    scheme = ActivationScheme(8, ActGranularity.TENSOR, dynamic=False)
+    x = torch.tensor([[0.5, 1.5, 2.5, -0.5, -1.5, -2.5]])
+    assert quantize_activations(x, scheme, torch.tensor(1.0)).tolist() == [[0.0, 2.0, 2.0, -0.0, -2.0, -2.0]]
 
 
 def test_inconsistent_schemes_are_rejected():
