@@ -1,11 +1,12 @@
 """Architecture data for fused rotations: which tensors read the residual stream, which add to it, and which
-norms stand between (names relative to a block unless outer). A model type without an entry is refused,
-with the reason where one is known."""
+norms stand between (names relative to a block unless outer; ``*`` stands for an expert's number). A model type
+without an entry is refused, with the reason where one is known."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Mapping
+from dataclasses import dataclass, replace
+from fnmatch import fnmatchcase
+from typing import Iterable, Mapping
 
 from compress.errors import CompressError
 
@@ -23,6 +24,11 @@ class RotationLayout:
     norm_offset: float = 0.0  # the norms scale by offset + weight
 
 
+def matching(name: str, patterns: Iterable[str]) -> str | None:
+    """The first of ``patterns`` that names ``name`` (``*``: any expert's number), or None."""
+    return next((p for p in patterns if fnmatchcase(name, p)), None)
+
+
 _ATTN, _MLP = "self_attn", "mlp"
 _LLAMA = RotationLayout(
     embeddings="model.embed_tokens.weight", final_norm="model.norm.weight", head="lm_head.weight",
@@ -32,7 +38,20 @@ _LLAMA = RotationLayout(
     values=f"{_ATTN}.v_proj.weight", mixer=f"{_ATTN}.o_proj.weight",
     untouched=(f"{_ATTN}.q_norm.weight", f"{_ATTN}.k_norm.weight"),
 )
-ROTATION_LAYOUTS: dict[str, RotationLayout] = {"llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA}
+# MoE: the router and every expert read the post-attention norm's output; the experts' down projections add to the
+# stream. Qwen2-MoE's shared expert (and the gate scaling it) reads and writes as a dense MLP does.
+_EXPERTS = f"{_MLP}.experts.*"
+_MIXTRAL = replace(_LLAMA, norms={**_LLAMA.norms, "post_attention_layernorm.weight": (
+    f"{_MLP}.gate.weight", f"{_EXPERTS}.w1.weight", f"{_EXPERTS}.w3.weight")},
+    writers=(f"{_ATTN}.o_proj.weight", f"{_EXPERTS}.w2.weight"))
+_QWEN_MOE = replace(_LLAMA, norms={**_LLAMA.norms, "post_attention_layernorm.weight": (
+    f"{_MLP}.gate.weight", f"{_EXPERTS}.gate_proj.weight", f"{_EXPERTS}.up_proj.weight",
+    f"{_MLP}.shared_expert.gate_proj.weight", f"{_MLP}.shared_expert.up_proj.weight", f"{_MLP}.shared_expert_gate.weight")},
+    writers=(f"{_ATTN}.o_proj.weight", f"{_EXPERTS}.down_proj.weight", f"{_MLP}.shared_expert.down_proj.weight"))
+ROTATION_LAYOUTS: dict[str, RotationLayout] = {
+    "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA,
+    "mixtral": _MIXTRAL, "qwen2_moe": _QWEN_MOE, "qwen3_moe": _QWEN_MOE,
+}
 
 # why a known family cannot take a fused rotation
 _REFUSED = {

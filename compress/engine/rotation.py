@@ -10,7 +10,8 @@ from pathlib import Path
 import torch
 
 from compress.checkpoints.model_io import ModelHandle
-from compress.checkpoints.rotation_layouts import RotationLayout
+from compress.checkpoints.conversion import RenamingWriter
+from compress.checkpoints.rotation_layouts import RotationLayout, matching
 from compress.checkpoints.shards import ShardedWriter
 from compress.engine.structured import stored_parameters
 from compress.errors import CompressError
@@ -29,7 +30,7 @@ class Rotator:
 
     def __init__(self, handle: ModelHandle, layout: RotationLayout, q: torch.Tensor, r: torch.Tensor | None):
         self.handle, self.layout, self.q, self.r = handle, layout, q, r
-        self.reads = {reader: norm for norm, readers in layout.norms.items() for reader in readers}
+        self.reads = {reader: norm for norm, readers in layout.norms.items() for reader in readers}  # pattern -> norm
 
     def stored(self, name: str) -> torch.Tensor:
         return self.handle.reader.get(self.handle.checkpoint_key(name))
@@ -55,11 +56,12 @@ class Rotator:
         value = self.stored(name)
         if rel in lay.norms:
             return unit_norm(value, lay.norm_offset)
-        if rel in self.reads:  # a reader's weight: its norm's scale, then the stream's rotation; its bias is unchanged
-            value = rotate_reader(fold_norm(value, self.stored(prefix + self.reads[rel]), lay.norm_offset), self.q)
-        elif weight in self.reads:
+        reader = matching(weight, self.reads)
+        if reader is not None and rel == weight:  # a reader's weight: its norm's scale, then the stream's rotation
+            value = rotate_reader(fold_norm(value, self.stored(prefix + self.reads[reader]), lay.norm_offset), self.q)
+        elif reader is not None:  # its bias is unchanged
             pass
-        elif weight in lay.writers:  # a writer's weight or bias; the output projection's columns first take R2
+        elif matching(weight, lay.writers):  # a writer's weight or bias; the output projection's columns first take R2
             if self.r is not None and rel == lay.mixer:
                 value = rotate_head_columns(value, self.r)
             value = rotate_writer(value, self.q)
@@ -82,6 +84,8 @@ def write_rotated(handle: ModelHandle, layout: RotationLayout, q: torch.Tensor, 
     gamma = rotator.stored(layout.final_norm)
     keep_tied = tied and bool((gamma.double() + layout.norm_offset == 1.0).all())
     writer = ShardedWriter(directory, shard_bytes)
+    if handle.names is not None:  # the checkpoint's own names (Mixtral's experts are block_sparse_moe.experts.N.w1)
+        writer = RenamingWriter(writer, handle.names)
     for name in names:
         writer.add(name, rotator.tensor(name).contiguous())
     if tied and not keep_tied:

@@ -19,7 +19,7 @@ def _random_model(tmp_path, config, seed: int = 0):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config).to(torch.float64)
+    model = AutoModelForCausalLM.from_config(config, experts_implementation="eager").to(torch.float64)
     with torch.no_grad():
         for name, param in model.named_parameters():
             param.copy_(1.0 + 0.3 * torch.randn_like(param) if "norm" in name else 0.2 * torch.randn_like(param))
@@ -35,17 +35,22 @@ def _rms_norm_in_float64(self, x):
 @pytest.fixture(autouse=True)
 def _float64_norms(monkeypatch):
     from transformers.models.llama import modeling_llama
+    from transformers.models.mixtral import modeling_mixtral
     from transformers.models.qwen2 import modeling_qwen2
+    from transformers.models.qwen2_moe import modeling_qwen2_moe
     from transformers.models.qwen3 import modeling_qwen3
+    from transformers.models.qwen3_moe import modeling_qwen3_moe
 
-    for norm in (modeling_llama.LlamaRMSNorm, modeling_qwen2.Qwen2RMSNorm, modeling_qwen3.Qwen3RMSNorm):
+    for norm in (modeling_llama.LlamaRMSNorm, modeling_qwen2.Qwen2RMSNorm, modeling_qwen3.Qwen3RMSNorm,
+                 modeling_mixtral.MixtralRMSNorm, modeling_qwen2_moe.Qwen2MoeRMSNorm, modeling_qwen3_moe.Qwen3MoeRMSNorm):
         monkeypatch.setattr(norm, "forward", _rms_norm_in_float64)
 
 
 def _logits(path, ids):
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64).eval()
+    # eager experts: the grouped matrix product of MoE layers has no float64 kernel
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64, experts_implementation="eager").eval()
     with torch.no_grad():
         return model(ids).logits
 
@@ -62,6 +67,14 @@ CASES = {
     "llama-tied": lambda: tiny_llama_config(**_SMALL, tie_word_embeddings=True),
     "qwen2-bias": lambda: __import__("transformers").Qwen2Config(vocab_size=300, num_hidden_layers=2, **_SMALL),
     "qwen3-qk-norms": lambda: __import__("transformers").Qwen3Config(vocab_size=300, num_hidden_layers=2, **_SMALL),
+    # MoE: the router and every expert read the stream, the experts' down projections write it
+    "mixtral": lambda: __import__("transformers").MixtralConfig(vocab_size=300, num_hidden_layers=2, num_local_experts=4,
+                                                                num_experts_per_tok=2, **_SMALL),
+    "qwen2-moe-shared-expert": lambda: __import__("transformers").Qwen2MoeConfig(
+        vocab_size=300, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=64, **_SMALL),
+    "qwen3-moe": lambda: __import__("transformers").Qwen3MoeConfig(
+        vocab_size=300, num_hidden_layers=2, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32, **_SMALL),
 }
 
 
