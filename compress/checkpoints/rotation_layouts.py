@@ -50,6 +50,7 @@ _QWEN_MOE = replace(_LLAMA, norms={**_LLAMA.norms, "post_attention_layernorm.wei
     writers=(f"{_ATTN}.o_proj.weight", f"{_EXPERTS}.down_proj.weight", f"{_MLP}.shared_expert.down_proj.weight"))
 ROTATION_LAYOUTS: dict[str, RotationLayout] = {
     "llama": _LLAMA, "mistral": _LLAMA, "qwen2": _LLAMA, "qwen3": _LLAMA,
+    "gemma": replace(_LLAMA, norm_offset=1.0),  # its norms scale by 1 + weight; the embeddings' √hidden commutes
     "mixtral": _MIXTRAL, "qwen2_moe": _QWEN_MOE, "qwen3_moe": _QWEN_MOE,
 }
 

@@ -32,6 +32,10 @@ def _rms_norm_in_float64(self, x):
     return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
 
 
+def _gemma_norm_in_float64(self, x):
+    return (1.0 + self.weight) * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+
 @pytest.fixture(autouse=True)
 def _float64_norms(monkeypatch):
     from transformers.models.llama import modeling_llama
@@ -44,6 +48,9 @@ def _float64_norms(monkeypatch):
     for norm in (modeling_llama.LlamaRMSNorm, modeling_qwen2.Qwen2RMSNorm, modeling_qwen3.Qwen3RMSNorm,
                  modeling_mixtral.MixtralRMSNorm, modeling_qwen2_moe.Qwen2MoeRMSNorm, modeling_qwen3_moe.Qwen3MoeRMSNorm):
         monkeypatch.setattr(norm, "forward", _rms_norm_in_float64)
+    from transformers.models.gemma import modeling_gemma
+
+    monkeypatch.setattr(modeling_gemma.GemmaRMSNorm, "forward", _gemma_norm_in_float64)
 
 
 def _logits(path, ids):
@@ -67,6 +74,7 @@ CASES = {
     "llama-tied": lambda: tiny_llama_config(**_SMALL, tie_word_embeddings=True),
     "qwen2-bias": lambda: __import__("transformers").Qwen2Config(vocab_size=300, num_hidden_layers=2, **_SMALL),
     "qwen3-qk-norms": lambda: __import__("transformers").Qwen3Config(vocab_size=300, num_hidden_layers=2, **_SMALL),
+    "gemma-norm-offset-tied": lambda: __import__("transformers").GemmaConfig(vocab_size=300, num_hidden_layers=2, **_SMALL),
     # MoE: the router and every expert read the stream, the experts' down projections write it
     "mixtral": lambda: __import__("transformers").MixtralConfig(vocab_size=300, num_hidden_layers=2, num_local_experts=4,
                                                                 num_experts_per_tok=2, **_SMALL),
@@ -91,9 +99,10 @@ def test_the_rotated_checkpoint_computes_the_same_function(case, kind, tmp_path)
 
     old, new = load_file(model / "model.safetensors"), load_file(result.output / "model.safetensors")
     assert not torch.allclose(old["model.layers.0.self_attn.q_proj.weight"], new["model.layers.0.self_attn.q_proj.weight"])
-    assert torch.equal(new["model.norm.weight"], torch.ones_like(new["model.norm.weight"]))
+    offset = 1.0 if case.startswith("gemma") else 0.0  # Gemma's norms scale by 1 + weight
+    assert torch.equal(new["model.norm.weight"] + offset, torch.ones_like(new["model.norm.weight"]))
     config = json.loads((result.output / "config.json").read_text())
-    if case == "llama-tied":  # the final norm's scale is not 1: the output layer is its own tensor
+    if case in ("llama-tied", "gemma-norm-offset-tied"):  # the final norm's scale is not 1: the output layer is its own tensor
         assert config["tie_word_embeddings"] is False and "lm_head.weight" in new
 
 
