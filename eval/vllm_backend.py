@@ -97,7 +97,10 @@ def run_worker(python: Path, request: dict, label: str, timeout: float | None = 
             raise VllmRefused(label, _reason_from_log(log.read_text(errors="replace"), proc.returncode))
         answer = json.loads(res.read_text())
     if not answer.get("ok"):
-        raise VllmRefused(label, answer.get("error", "no reason given"))
+        reason = answer.get("error", "no reason given")
+        if "for 'Float'" in reason and request.get("dtype") == "float32":
+            reason += " (its CPU kernel for this scheme has no float32 path: use --vllm-dtype bfloat16)"
+        raise VllmRefused(label, reason)
     return answer
 
 
