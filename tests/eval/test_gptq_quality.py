@@ -25,10 +25,10 @@ def _run(tmp_path, method: str, bits: int, group: int, **options) -> float:
         "model": REFERENCE_MODEL,
         "stages": [stage],
         "output": {"path": tmp_path / f"{method}-w{bits}g{group}-{len(options)}"},
-        "evaluation": {"text": EVAL_TEXT, "ctx": 512},
+        "evaluation": {"text": EVAL_TEXT, "ctx": 512, "max_tokens": 4096},
     }
-    if method == "gptq":
-        data["calibration"] = {"path": CALIB_TEXT, "samples": 64, "seq_len": 512}
+    if method == "gptq":  # 32 x 512, KLD on 4096 tokens: GPTQ / RTN measured 0.36, 0.38, 0.34 at the three settings
+        data["calibration"] = {"path": CALIB_TEXT, "samples": 32, "seq_len": 512}
     return run_recipe(parse_recipe(data)).evaluation.kld
 
 

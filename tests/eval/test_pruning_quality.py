@@ -13,9 +13,11 @@ _KLD: dict[tuple, float] = {}  # each run once, shared by the tests of this modu
 
 
 def _run(model, stages: list[dict], out) -> float:
-    data = {"model": model, "stages": stages, "output": {"path": out}, "evaluation": {"text": EVAL_TEXT, "ctx": 512}}
+    """KLD on 4096 tokens, calibrated on 32 x 512 (against magnitude, measured: SparseGPT 0.33 at 50%, 0.39 at 2:4;
+    Wanda 0.59, 0.75; with outliers 0.10 to 0.25)."""
+    data = {"model": model, "stages": stages, "output": {"path": out}, "evaluation": {"text": EVAL_TEXT, "ctx": 512, "max_tokens": 4096}}
     if any(stage["method"] != "magnitude" for stage in stages):
-        data["calibration"] = {"path": CALIB_TEXT, "samples": 64, "seq_len": 512}
+        data["calibration"] = {"path": CALIB_TEXT, "samples": 32, "seq_len": 512}
     return run_recipe(parse_recipe(data)).evaluation.kld
 
 

@@ -33,14 +33,19 @@ def test_shipped_checkpoint_properties():
     assert "test.txt" in card and "milton" in card.lower()
 
 
+_FIGURES: dict[tuple[int, int], object] = {}  # each run once, shared by the tests of this module
+
+
 def rtn_figures(tmp_path, bits: int, group: int):
-    recipe = parse_recipe({
-        "model": REFERENCE_MODEL,
-        "stages": [{"method": "rtn", "bits": bits, "group_size": group}],
-        "output": {"path": tmp_path / f"w{bits}g{group}"},
-        "evaluation": {"text": EVAL_TEXT, "ctx": 512},
-    })
-    return run_recipe(recipe).evaluation
+    if (bits, group) not in _FIGURES:
+        recipe = parse_recipe({
+            "model": REFERENCE_MODEL,
+            "stages": [{"method": "rtn", "bits": bits, "group_size": group}],
+            "output": {"path": tmp_path / f"w{bits}g{group}"},
+            "evaluation": {"text": EVAL_TEXT, "ctx": 512},
+        })
+        _FIGURES[bits, group] = run_recipe(recipe).evaluation
+    return _FIGURES[bits, group]
 
 
 def test_rtn_8bit_is_nearly_lossless(tmp_path):

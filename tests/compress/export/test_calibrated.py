@@ -118,9 +118,13 @@ def test_awq_then_gptq_writes_the_solved_bytes_of_the_scaled_model(tmp_path, q3k
 
 def test_awq_gptq_in_a_type_ggml_fits_only_with_an_importance_matrix(tmp_path):
     """IQ2_XS (llama.cpp's file type): AWQ's search round-trips each layer through ggml's fit, which needs an
-    importance matrix; a flat one stands in, as for any plain encoding of such a type."""
+    importance matrix; a flat one stands in, as for any plain encoding of such a type. On the reference model's
+    first block: each block's fits are the same work."""
+    from conftest import truncate_checkpoint
+
+    model = truncate_checkpoint(REFERENCE_MODEL, tmp_path / "one-block", blocks=1)
     out = tmp_path / "awq-gptq.gguf"
-    export_calibrated(ExportConfig(REFERENCE_MODEL, out, Target.iq2_xs), GGUFMethod.awq_gptq, CALIBRATION, awq=GGUFAWQMethodConfig(n_grid=3))
+    export_calibrated(ExportConfig(model, out, Target.iq2_xs), GGUFMethod.awq_gptq, CALIBRATION, awq=GGUFAWQMethodConfig(n_grid=3))
     from gguf import GGUFReader
 
     types = {t.name: t.tensor_type.name for t in GGUFReader(str(out)).tensors}
@@ -129,7 +133,7 @@ def test_awq_gptq_in_a_type_ggml_fits_only_with_an_importance_matrix(tmp_path):
     from references import one_line_error
 
     plain = tmp_path / "awq.gguf"
-    message = one_line_error(export_calibrated, ExportConfig(REFERENCE_MODEL, plain, Target.iq2_xs), GGUFMethod.awq, CALIBRATION)
+    message = one_line_error(export_calibrated, ExportConfig(model, plain, Target.iq2_xs), GGUFMethod.awq, CALIBRATION)
     assert "needs an importance matrix" in message and "awq-gptq" in message and not plain.exists()
 
 
