@@ -34,6 +34,17 @@ _share_the_cores_between_workers()
 # order (pyproject's addopts: --no-loadscope-reorder), so neither worker ends the run alone on one of these.
 SLOW_FIRST = (
     "test_docs.py",
+    "formats/gguf/test_llamacpp.py",
+    "compress/engine/test_ranks.py",
+    "compress/export/test_calibrated.py",
+    "eval/test_pruning_quality.py",
+    "compress/run/test_determinism.py",
+    "eval/test_awq_quality.py",
+    "eval/test_gptq_quality.py",
+    "eval/test_smollm2_quality.py",
+    "compress/checkpoints/test_gguf_source.py",
+    "eval/test_reference_model.py",
+    "kernels/test_cuda_compile.py",
 )
 
 
