@@ -80,7 +80,7 @@ def plot_png(report: dict, x: XAxis = XAxis.SIZE, y: YAxis = YAxis.KLD) -> bytes
             ax.annotate(r["name"], (px, py), textcoords="offset points", xytext=(4, 4), fontsize=7)
         if y == YAxis.KLD and points and all(p[1] > 0 for p in points):
             ax.set_yscale("log")
-        if y == YAxis.PPL:
+        if y == YAxis.PPL and report["baseline"]["perplexity"] is not None:  # None: a backend that could not run it
             ax.axhline(report["baseline"]["perplexity"], color="tab:blue", ls="--", lw=1, label="baseline perplexity")
         ax.set_xlabel(X_LABEL[x])
         ax.set_ylabel(Y_LABEL[y])

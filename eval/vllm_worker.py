@@ -31,6 +31,9 @@ ENVIRONMENT = {
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB of KV cache on CPU: windows of a few hundred tokens
     "VLLM_LOGGING_LEVEL": "WARNING",
     "TOKENIZERS_PARALLELISM": "false",
+    # a window of ctx tokens needs max_model_len ctx + 1 (vLLM makes room for one generated token): a model whose
+    # positions end at ctx still scores it, the extra position only ever holding that unscored token
+    "VLLM_ALLOW_LONG_MAX_MODEL_LEN": "1",
 }
 
 
@@ -78,8 +81,11 @@ def run(request: dict) -> dict:
 
 
 def one_line(exc: BaseException) -> str:
-    text = [line for line in str(exc).strip().splitlines() if line.strip()]
-    return f"{type(exc).__name__}: {text[0].strip() if text else ''}"
+    """``Type: first line``; for a pydantic ValidationError (vLLM's config checks) its first "Value error" line,
+    which says what was wrong."""
+    text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
+    detail = next((line for line in text[1:] if line.startswith("Value error")), None)
+    return f"{type(exc).__name__}: {detail or (text[0] if text else '')}"
 
 
 def main() -> None:
