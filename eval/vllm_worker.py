@@ -85,7 +85,13 @@ def one_line(exc: BaseException) -> str:
     which says what was wrong."""
     text = [line.strip() for line in str(exc).strip().splitlines() if line.strip()]
     detail = next((line for line in text[1:] if line.startswith("Value error")), None)
-    return f"{type(exc).__name__}: {detail or (text[0] if text else '')}"
+    if detail is None and text:
+        detail = text[0]
+        for line in text[1:]:  # "... Reasons:" goes on with the reasons: keep them, on the one line
+            if not detail.endswith(":") or len(detail) > 400:
+                break
+            detail += " " + line
+    return f"{type(exc).__name__}: {detail or ''}"
 
 
 def main() -> None:

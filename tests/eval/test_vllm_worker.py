@@ -144,3 +144,18 @@ def test_the_cli_refuses_kld_options_with_the_vllm_backend(tiny_llama):
     assert result.exit_code == 2 and "perplexity only" in result.output
     result = CliRunner().invoke(app, ["eval", "ppl", str(tiny_llama), "--text", str(EVAL_TEXT), "--backend", "vlm"])
     assert result.exit_code == 2 and "choose ours or vllm" in result.output
+
+
+def test_the_workers_one_line_keeps_the_reasons_a_refusal_announces():
+    import importlib.util
+
+    from compress.eval import vllm_backend
+
+    spec = importlib.util.spec_from_file_location("vllm_worker", vllm_backend.WORKER)
+    worker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(worker)  # imports nothing of vLLM's at module level
+    err = ValueError("Failed to find a kernel that can implement the WNA16 linear layer. Reasons:\n"
+                     " CPUWNA16LinearKernel cannot implement due to: Quant type (uint8b128) not supported\n")
+    assert worker.one_line(err) == ("ValueError: Failed to find a kernel that can implement the WNA16 linear layer. "
+                                    "Reasons: CPUWNA16LinearKernel cannot implement due to: Quant type (uint8b128) not supported")
+    assert worker.one_line(RuntimeError("boom\nsecond line")) == "RuntimeError: boom"
