@@ -39,8 +39,8 @@ TEXT = REPO / "eval/assets/shakespeare-test-slice.txt"
 CALIB = REPO / "eval/assets/shakespeare-calib-slice.txt"
 PROMPT = "ROMEO:\nBut soft, what light through yonder window breaks? It is"
 CAL = ["--calib", str(CALIB), "--samples", "16", "--seq-len", "256"]
-# name -> the compress command's arguments after MODEL -o OUT (SmolLM2's width 576 has no group of 128: the
-# g128 rows quantize the layers whose inputs are 1536 wide, down_proj)
+# name -> the compress command's arguments after MODEL -o OUT (SmolLM2's width 576 has no group or block of 128:
+# the g128 and FP8-block rows quantize the layers whose inputs are 1536 wide, down_proj)
 SCHEMES: dict[str, list[str]] = {
     "float": [],
     "w4a16 sym g64": ["quantize", "--bits", "4", "--group-size", "64"],
@@ -53,7 +53,7 @@ SCHEMES: dict[str, list[str]] = {
     "w8a8 int8 dynamic (smoothquant)": ["quantize", "--method", "smoothquant", *CAL],
     "w8a8 int8 dynamic (rtn)": ["quantize", "--scheme", "w8a8-int8"],
     "fp8 dynamic": ["quantize", "--scheme", "fp8-dynamic"],
-    "fp8 block": ["quantize", "--scheme", "fp8-block"],
+    "fp8 block (down_proj)": ["quantize", "--scheme", "fp8-block", "--include", r"mlp\.down_proj"],
     "nvfp4": ["quantize", "--scheme", "nvfp4", *CAL],
     "nvfp4a16": ["quantize", "--scheme", "nvfp4a16"],
     "mxfp4": ["quantize", "--scheme", "mxfp4"],
