@@ -61,12 +61,17 @@ def evaluate_checkpoint(
 
 
 def _tokens(tokenizer, text_path: Path, max_tokens: int | None) -> tuple[torch.Tensor, str]:
-    """The text's token ids (no BOS, the first ``max_tokens``) and the text's SHA-256."""
+    """The text's token ids (`token_ids`) and the text's SHA-256."""
     text = read_eval_text(text_path)
+    return token_ids(tokenizer, text, max_tokens), text_digest(text)
+
+
+def token_ids(tokenizer, text: str, max_tokens: int | None) -> torch.Tensor:
+    """The evaluation text's token ids as `compress eval ppl` scores them: no BOS, the first ``max_tokens``."""
     ids = tokenizer(text, add_special_tokens=False, verbose=False)["input_ids"]
     if max_tokens is not None:
         ids = ids[:max_tokens]
-    return torch.tensor(ids, dtype=torch.long), text_digest(text)
+    return torch.tensor(ids, dtype=torch.long)
 
 
 def save_reference_checkpoint(

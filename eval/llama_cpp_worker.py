@@ -280,14 +280,17 @@ class BuildCheck:
         )
 
 
-def cpu_flags() -> list[str]:
-    """The SIMD flags of interest that the CPU reports (what a native build would pick up)."""
+NATIVE_BUILD_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
+
+
+def cpu_flags(wanted: tuple[str, ...] = NATIVE_BUILD_FLAGS) -> list[str]:
+    """Which of the ``wanted`` SIMD flags the CPU reports (Linux /proc/cpuinfo; by default what a native build of
+    llama.cpp would pick up)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
         return []
     flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    wanted = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8", "amx_bf16")
     return [f for f in wanted if f in flags]
 
 

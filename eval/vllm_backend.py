@@ -169,9 +169,9 @@ def kv_cache_dtype_for(model_path: Path, kv_cache: str | None) -> str:
 def checkpoint_tokens(model_path: Path, text_path: Path, max_tokens: int | None) -> torch.Tensor:
     """The text's token ids under the checkpoint's tokenizer, as `compress eval ppl` makes them (no BOS)."""
     from compress.checkpoints.loading import load_tokenizer, read_eval_text
+    from compress.eval.checkpoint import token_ids
 
-    ids = load_tokenizer(model_path)(read_eval_text(text_path), add_special_tokens=False, verbose=False)["input_ids"]
-    return torch.tensor(ids[:max_tokens] if max_tokens is not None else ids, dtype=torch.long)
+    return token_ids(load_tokenizer(model_path), read_eval_text(text_path), max_tokens)
 
 
 def evaluate_vllm_checkpoint(model_path: Path, text_path: Path, ctx: int = 512, stride: int | None = None,

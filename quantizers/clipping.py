@@ -42,11 +42,11 @@ def compiled_search(w: torch.Tensor, scheme, shrinks: list[float], norm: float, 
     step = max(1, CANDIDATE_VALUES // (groups * count))
     for first in range(0, out_features, step):  # the candidates' scales and zeros a slice of rows at a time
         rows = slice(first, min(first + step, out_features))
-        candidates = [scheme.qparams(weight[rows], shrink=p, extremes=(low[rows], high[rows])) for p in shrinks]
+        part = weight[rows]
+        candidates = [scheme.qparams(part, shrink=p, extremes=(low[rows], high[rows])) for p in shrinks]
         scales = torch.stack([c[0] for c in candidates], dim=-1).contiguous()  # [rows, groups, candidates]
         zeros = torch.stack([c[1] for c in candidates], dim=-1).contiguous()
         best = torch.empty(scales.shape[:2], dtype=torch.int64)
-        part = weight[rows]
         with row_split(scales.shape[0]) as split:
             def run(r0: int, r1: int) -> None:
                 sums = torch.empty(count)  # this run's scratch

@@ -88,6 +88,16 @@ def tiny_tokenizer(calib_text):
     return train_tiny_tokenizer(calib_text[:40000])
 
 
+def checkpoint_tensors(directory: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of the safetensors shards in ``directory``, by name."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for shard in sorted(Path(directory).glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    return tensors
+
+
 def save_random_model(config, out: Path, tokenizer=None, seed: int = 0, dtype=torch.float32) -> Path:
     """Build a randomly initialised model from a transformers config and save it as a checkpoint."""
     from transformers import AutoModelForCausalLM

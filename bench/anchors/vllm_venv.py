@@ -17,19 +17,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+from compress.eval.llama_cpp_worker import cpu_flags
 from compress.eval.vllm_backend import DEFAULT_VENV, TORCH_VERSION, VLLM_VERSION
 
 REMOVED = ("torchvision", "torchaudio", "torchcodec")  # torchvision 0.28 breaks `import torch` 2.13's operators
 
 
 def cpu_features() -> list[str]:
-    """The SIMD features of interest this CPU reports (Linux /proc/cpuinfo)."""
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return [f for f in ("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8") if f in flags]
+    """The SIMD features this CPU reports that decide vLLM's CPU kernels (its AVX2 or AVX-512 build, oneDNN, AMX)."""
+    return cpu_flags(("avx2", "avx512f", "avx512_vnni", "avx512_bf16", "amx_tile", "amx_int8"))
 
 
 def check(venv: Path) -> str:

@@ -8,13 +8,12 @@ import json
 import shutil
 
 import torch
-from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 from typer.testing import CliRunner
 
 from compress.cli import app
 from compress.engine.journal import BlockJournal
-from conftest import CALIB_TEXT, EVAL_TEXT
+from conftest import CALIB_TEXT, EVAL_TEXT, checkpoint_tensors
 
 runner = CliRunner()
 CALIB = ["--calib", CALIB_TEXT, "--samples", "8", "--seq-len", "64"]
@@ -24,16 +23,12 @@ def invoke(*args):
     return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
 
 
-def _tensors(folder):
-    return {k: v for f in sorted(folder.glob("*.safetensors")) for k, v in load_file(f).items()}
-
-
 def test_no_steps_writes_rtn(tmp_path, tiny_llama):
     grid = ["--bits", "3", "--group-size", "32", "--asym"]
     assert invoke("quantize", tiny_llama, "-o", tmp_path / "rtn", *grid).exit_code == 0
     result = invoke("quantize", tiny_llama, "-o", tmp_path / "ar", *grid, "--method", "autoround", "-O", "iters=0", *CALIB)
     assert result.exit_code == 0, result.output
-    rtn, ar = _tensors(tmp_path / "rtn"), _tensors(tmp_path / "ar")
+    rtn, ar = checkpoint_tensors(tmp_path / "rtn"), checkpoint_tensors(tmp_path / "ar")
     assert rtn.keys() == ar.keys()
     assert all(torch.equal(rtn[k], ar[k]) for k in rtn)
 

@@ -13,7 +13,7 @@ from transformers import AutoModelForCausalLM
 from compress.checkpoints.loading import ComputeDtype, resolve_compute_dtype
 from compress.engine.methods.rtn import RTN, GridQuantConfig
 from compress.engine.statistics import Stat
-from conftest import save_random_model, tiny_llama_config
+from conftest import checkpoint_tensors, save_random_model, tiny_llama_config
 from engine_cases import StatsSpy, reference_hessians, run_engine
 
 VOCAB = 300
@@ -50,7 +50,7 @@ def test_unquantized_tensors_keep_their_bytes_and_dtype(bf16_llama, tmp_path):
     calibration = torch.randint(0, VOCAB, (2, 16), generator=torch.Generator().manual_seed(2))
     run_engine(bf16_llama, tmp_path / "out", RTN(GridQuantConfig(bits=4, group_size=32)), calibration, dtype=torch.bfloat16)
     original = load_file(bf16_llama / "model.safetensors")
-    written = _tensors(tmp_path / "out")
+    written = checkpoint_tensors(tmp_path / "out")
     for name, tensor in original.items():
         assert written[name].dtype == torch.bfloat16, name
         if "proj" not in name:  # embeddings and norms: copied bit for bit
@@ -109,13 +109,6 @@ def test_every_calibrated_method_runs_in_bfloat16_as_well_as_in_float32(command,
     assert any("forward passes in bfloat16 (--compute-dtype)" in note for note in notes["bfloat16"])
     assert kld["bfloat16"] <= 1.5 * kld["float32"] + 1e-4, kld
     # the same tensors written either way: packed codes and scales where the method quantizes, none left dense
-    layouts = {dtype: {k: (v.dtype, tuple(v.shape)) for k, v in _tensors(tmp_path / dtype).items()} for dtype in kld}
+    layouts = {dtype: {k: (v.dtype, tuple(v.shape)) for k, v in checkpoint_tensors(tmp_path / dtype).items()} for dtype in kld}
     assert layouts["bfloat16"] == layouts["float32"]
     assert (command[0] == "quantize") == any(name.endswith("weight_scale") for name in layouts["bfloat16"])
-
-
-def _tensors(directory):
-    tensors = {}
-    for shard in sorted(directory.glob("*.safetensors")):
-        tensors.update(load_file(shard))
-    return tensors

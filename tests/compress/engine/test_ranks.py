@@ -11,12 +11,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 from typer.testing import CliRunner
 
 from compress.cli.app import app
 from compress.engine.ranks import Ranks, plan_shares
-from conftest import CALIB_TEXT, REFERENCE_MODEL
+from conftest import CALIB_TEXT, REFERENCE_MODEL, checkpoint_tensors
 
 CALIB = ["--calib", str(CALIB_TEXT), "--samples", "6", "--seq-len", "96"]
 CASES = {
@@ -83,13 +82,6 @@ def test_windows_are_shared_in_order():
 
 
 # -- two processes ---------------------------------------------------------------------------------------
-def _tensors(directory: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for path in sorted(directory.glob("*.safetensors")):
-        out.update(load_file(path))
-    return out
-
-
 def _gguf_contents(path: Path) -> tuple[dict, dict]:
     """Every metadata value (the run record without its command line) and every tensor's bytes."""
     from gguf import GGUFReader
@@ -163,7 +155,7 @@ def _compare_one_and_two(argv: list[str], model: Path, tmp_path: Path) -> None:
     assert summary["layers"] == [{**layer, "seconds": summary_layer["seconds"], "info": _close_floats(layer["info"])}
                                  for layer, summary_layer in zip(json.loads(done.output)["layers"], summary["layers"])]
     assert _config(two) == _config(one)
-    a, b = _tensors(one), _tensors(two)
+    a, b = checkpoint_tensors(one), checkpoint_tensors(two)
     assert a.keys() == b.keys()
     differing = {name: int((a[name] != b[name]).sum()) for name in a if not torch.equal(a[name], b[name])}
     assert not differing, f"{len(differing)} tensors differ: {differing}"
@@ -249,7 +241,7 @@ def test_a_killed_two_process_run_resumes_to_the_one_process_bytes(tmp_path):
     resumed = subprocess.run([*launch, "--resume"], capture_output=True, text=True, env=env, timeout=300)
     assert resumed.returncode == 0, resumed.stdout + resumed.stderr
     assert _config(two) == _config(one)
-    a, b = _tensors(one), _tensors(two)
+    a, b = checkpoint_tensors(one), checkpoint_tensors(two)
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one", "two"]
 
@@ -294,7 +286,7 @@ def test_two_processes_smooth_inside_gptqs_pass(tmp_path):
         capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"}, timeout=300,
     )
     assert launched.returncode == 0, launched.stdout + launched.stderr
-    a, b = _tensors(one), _tensors(two)
+    a, b = checkpoint_tensors(one), checkpoint_tensors(two)
     assert a.keys() == b.keys()
     differing = [name for name in a if not torch.equal(a[name], b[name])]
     assert not differing, f"{len(differing)} tensors differ: {differing[:3]}"

@@ -16,14 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
 from transformers import CompressedTensorsConfig
 
 from architectures import ARCHITECTURES, MOE, save_architecture
 from compress.checkpoints.loading import load_model
 from compress.run.recipe import parse_recipe
 from compress.run.runner import run_recipe
-from conftest import CALIB_TEXT
+from conftest import CALIB_TEXT, checkpoint_tensors
 from references import one_line_error
 
 METHODS = {
@@ -72,14 +71,6 @@ def checkpoints(tmp_path_factory, tiny_tokenizer):
         return built[arch]
 
     return get
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    out = {}
-    for file in sorted(path.glob("*.safetensors")):
-        with safe_open(file, "pt") as f:
-            out.update({k: f.get_tensor(k) for k in f.keys()})
-    return out
 
 
 def _block_linears(source: dict[str, torch.Tensor]) -> set[str]:
@@ -139,7 +130,7 @@ def test_method_on_architecture(arch, method, checkpoints, calibration, tmp_path
         assert not out.exists()
         return
     run_recipe(recipe)
-    source, written = _tensors(model), _tensors(out)
+    source, written = checkpoint_tensors(model), checkpoint_tensors(out)
     config = json.loads((out / "config.json").read_text())
     expected = _block_linears(source)
     assert _compressed(method, written, source, config["compression"]) == expected
@@ -202,7 +193,7 @@ def test_moe_w8a8_as_fake_quantized_output_loads(checkpoints, calibration, tmp_p
     out = tmp_path / "out"
     run_recipe(parse_recipe({"model": str(checkpoints("mixtral")), "calibration": {"path": str(calibration), "samples": 4, "seq_len": 32},
                              "stages": [{"method": "smoothquant"}], "output": {"path": str(out), "format": "fake"}}))
-    source, written = _tensors(checkpoints("mixtral")), _tensors(out)
+    source, written = checkpoint_tensors(checkpoints("mixtral")), checkpoint_tensors(out)
     assert all(not torch.equal(written[f"{name}.weight"], source[f"{name}.weight"]) for name in _block_linears(source))
     layers = json.loads((out / "config.json").read_text())["compression"]["stages"][0]["activation_layers"]
     assert sum(".experts." in name for name in layers) == 2 * 4 * 3  # every expert's inputs quantized too
