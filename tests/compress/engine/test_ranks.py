@@ -200,9 +200,11 @@ def test_strided_rows_across_processes_are_the_rows_one_process_picks(tmp_path, 
 
 
 def test_a_killed_two_process_run_resumes_to_the_one_process_bytes(tmp_path):
-    """SIGKILL of a 2-process asymmetric GPTQ run (each process records its share of both input streams) once
-    block 1's record exists: resuming with another process count is refused naming it; the same launch with
-    --resume ends with the tensors and config one process writes."""
+    """SIGKILL of a 2-process asymmetric GPTQ run (each process records its share of both input streams) once its
+    first record exists (block 0's: the journal always records the first block, and later ones only where a record
+    costs little beside the blocks' work, so which follow depends on the machine's speed): resuming with another
+    process count is refused naming it; the same launch with --resume ends with the tensors and config one process
+    writes."""
     import signal
     import time
 
@@ -224,7 +226,7 @@ def test_a_killed_two_process_run_resumes_to_the_one_process_bytes(tmp_path):
     deadline = time.monotonic() + 300
     while True:
         records = list(tmp_path.glob(f".two.partial-*/{PROGRESS}/{PROGRESS_RECORD}"))
-        if records and json.loads(records[0].read_text())["block"] >= 1:
+        if records:  # block 0 is recorded, 3 blocks of work remain
             job = _descendants(run.pid)  # the launcher and its workers (which it may start in sessions of their own)
             for pid in job:
                 os.kill(pid, signal.SIGKILL)
