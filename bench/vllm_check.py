@@ -10,7 +10,8 @@ Each scheme is written by ``compress quantize`` (or ``compress prune``) from a c
   perplexities printed with their ratio;
 - decodes 16 tokens greedily from a fixed prompt, compared with our model's greedy tokens (transformers'
   ``generate`` on our loaded checkpoint).
-A cell vLLM refuses holds vLLM's exception line. ``--noise CHECKPOINT...``: only our perplexity of those
+A cell vLLM refuses holds vLLM's exception line. A row whose vLLM run used an fp8 KV cache is followed by ours with the
+cache rounded toward zero, as vLLM's CPU cache stores it (``bench/vllm_kv_rounding.py``). ``--noise CHECKPOINT...``: only our perplexity of those
 checkpoints with the input embeddings perturbed by 1e-6 (relative), three seeds: the spread of a figure under
 a float32-rounding-sized change of the computation, which is the scale on which two correct W8A8 implementations
 differ. ``--throughput``: vLLM's offline generation speed, 64 prompts
@@ -21,6 +22,7 @@ bfloat16 (vLLM's CPU default), printed as tokens/s and as a ratio to the float m
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import shutil
 import subprocess
@@ -33,6 +35,7 @@ import torch
 
 from compress.errors import CompressError
 from compress.eval.vllm_backend import VllmRefused, VllmSettings, resolve_python, run_worker, score_tasks
+from compress.quantizers.kv_cache import FP8Rounding
 
 REPO = Path(__file__).resolve().parents[1]
 TEXT = REPO / "eval/assets/shakespeare-test-slice.txt"
@@ -83,13 +86,16 @@ def write(name: str, model: Path, out: Path) -> Path:
     return out
 
 
-def ours(path: Path, tokens: torch.Tensor, prompt: list[int], ctx: int, new: int, dtype: torch.dtype = torch.float32) -> tuple[float, list[int]]:
+def ours(path: Path, tokens: torch.Tensor, prompt: list[int], ctx: int, new: int, dtype: torch.dtype = torch.float32,
+         rounding: FP8Rounding = FP8Rounding.nearest) -> tuple[float, list[int]]:
     from compress.checkpoints.loading import load_model
     from compress.eval.kv_cache import kv_cache_context, resolve_kv_cache
     from compress.eval.perplexity import evaluate
 
     model = load_model(path, torch.device("cpu"), dtype)
     setting = resolve_kv_cache(path, model, None)
+    if setting is not None:
+        setting = dataclasses.replace(setting, rounding=rounding)
     with kv_cache_context(setting, model):
         ppl = evaluate(model, tokens, ctx=ctx).perplexity
     if new == 0:
@@ -217,6 +223,9 @@ def main() -> None:
             kv = ("" if v["kv"] == "auto" else f", kv {v['kv']}") + ("" if dtype == "float32" else ", bfloat16: float32 refused")
             print(f"| {name} | ok ({v['load_s']:.0f} s{kv}) | {ppl:.4f} | {v['ppl']:.4f} | {v['ppl'] / ppl:.4f} | "
                   f"{same}/16 same: \"{text}\" |  <!-- {time.perf_counter() - start:.0f} s -->", flush=True)
+            if v["kv"].startswith("fp8"):  # vLLM's CPU cache rounds toward zero (bench/vllm_kv_rounding.py): ours the same
+                tz, _ = ours(path, tokens, prompt, args.ctx, 0, getattr(torch, dtype), FP8Rounding.toward_zero)
+                print(f"| {name}, ours rounding the cache toward zero | | {tz:.4f} | {v['ppl']:.4f} | {v['ppl'] / tz:.4f} | |", flush=True)
         if args.throughput:
             print("\nvLLM offline generation, 64 prompts x 32 tokens, 128 new tokens each, bfloat16, one LLM.generate call")
             print("| scheme | tokens/s | ratio to float |\n| --- | ---: | ---: |")

@@ -28,7 +28,7 @@ from torch import nn
 from compress.checkpoints.attention import model_attention_modules, tap_kv_cache
 from compress.errors import CompressError
 from compress.formats.kv_cache import KVScaleStrategy, read_scales, scheme_format
-from compress.quantizers.kv_cache import KVCacheFormat, quantize_kv, require_float8
+from compress.quantizers.kv_cache import FP8Rounding, KVCacheFormat, quantize_kv, require_float8
 
 NONE = "none"  # --kv-cache none: keys and values as the model computes them
 
@@ -38,6 +38,7 @@ class KVCacheSetting:
     format: KVCacheFormat
     strategy: KVScaleStrategy | None = None  # of the checkpoint's calibrated scales; None: dynamic scales
     scales: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None  # attention module -> (k_scale, v_scale)
+    rounding: FP8Rounding = FP8Rounding.nearest  # toward_zero: what vLLM's CPU attention stores
 
     def describe(self) -> str:
         if self.scales is not None:
@@ -116,7 +117,7 @@ def simulate_kv_cache(model: nn.Module, setting: KVCacheSetting) -> Iterator[Non
 
     def transform(name: str, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         k_scale, v_scale = scales.get(name, (None, None))
-        return quantize_kv(keys, setting.format, k_scale), quantize_kv(values, setting.format, v_scale)
+        return quantize_kv(keys, setting.format, k_scale, setting.rounding), quantize_kv(values, setting.format, v_scale, setting.rounding)
 
     with tap_kv_cache(modules, transform) as taps:
 

@@ -6,7 +6,9 @@ after RoPE); `quantize_kv` returns what the engine reads back from its cache, in
 - ``fp8``: FP8 E4M3 (``float8_e4m3fn``, largest value 448), ``x ≈ s·e4m3(x/s)``: ``x/s`` is clamped to
   ±448 and rounded to the nearest E4M3 value, ties to even (torch's cast), as vLLM's fp8 KV cache with
   ``k_scale``/``v_scale``. ``s`` is a calibrated scale per tensor (or per KV head); without one, the
-  dynamic ``amax(x)/448`` of the tensor at hand.
+  dynamic ``amax(x)/448`` of the tensor at hand. `FP8Rounding.toward_zero` instead keeps the largest-magnitude
+  E4M3 value not above ``|x·(1/s)|``: what vLLM's CPU cache writes (its ``float_to_fp8e4m3_scalar`` takes the top
+  bits of the float32 value, no rounding), ~4 % smaller magnitudes on average where nearest loses ~0.2 %.
 - ``int8``/``int4``: symmetric integers. Dynamic (no calibrated scale): one scale per token and head,
   ``s = max|x|/qmax`` over the head's ``head_dim`` values, ``q = round(x/s)`` (half to even) in
   ``[−qmax, qmax]`` (qmax 127, 7). Static (a calibrated per-tensor/per-head scale, compressed-tensors'
@@ -52,6 +54,14 @@ class KVCacheFormat(str, enum.Enum):
         return self in (KVCacheFormat.fp8, KVCacheFormat.int8)
 
 
+class FP8Rounding(str, enum.Enum):
+    """How a value between two E4M3 values is stored: ``nearest`` (ties to even; torch's cast, compressed-tensors,
+    vLLM on GPU) or ``toward-zero`` (vLLM's CPU attention cache)."""
+
+    nearest = "nearest"
+    toward_zero = "toward-zero"
+
+
 def require_float8() -> None:
     if not hasattr(torch, "float8_e4m3fn"):
         raise CompressError(f"torch {torch.__version__} has no float8_e4m3fn dtype: an fp8 KV cache needs torch >= 2.1")
@@ -72,13 +82,19 @@ def _positive(s: torch.Tensor) -> torch.Tensor:
     return torch.where(s > 0, s, torch.ones_like(s))  # an all-zero tensor or head stays zero with scale 1
 
 
-def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor | None = None) -> torch.Tensor:
+def fp8_round_trip(x: torch.Tensor, scale: torch.Tensor | None = None, rounding: FP8Rounding = FP8Rounding.nearest) -> torch.Tensor:
     """``s·e4m3(clamp(x/s, ±448))``; ``scale`` per tensor or per head, else dynamic ``amax(x)/448``."""
     require_float8()
     xf = x.float()
     s = _positive(xf.abs().amax() / FP8_E4M3_MAX).reshape(1, 1, 1, 1) if scale is None else _broadcast_scale(scale, x)
-    q = (xf / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
-    return (q.float() * s).to(x.dtype)
+    if rounding == FP8Rounding.nearest:
+        q = (xf / s).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+        return (q.float() * s).to(x.dtype)
+    y = (xf * (1.0 / s)).clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX)  # vLLM multiplies by the scale's float32 reciprocal
+    codes = y.to(torch.float8_e4m3fn).view(torch.uint8)
+    rounded_up = codes.view(torch.float8_e4m3fn).float().abs() > y.abs()
+    codes = torch.where(rounded_up, codes - 1, codes)  # E4M3 codes grow with magnitude: one code down is toward zero
+    return (codes.view(torch.float8_e4m3fn).float() * s).to(x.dtype)
 
 
 def int_round_trip(x: torch.Tensor, bits: int, scale: torch.Tensor | None = None) -> torch.Tensor:
@@ -108,17 +124,20 @@ def ggml_round_trip(x: torch.Tensor, kind: GGMLType) -> torch.Tensor:
     return torch.from_numpy(decoded).reshape(x.shape).to(device=x.device, dtype=x.dtype)
 
 
-def quantize_kv(x: torch.Tensor, fmt: KVCacheFormat, scale: torch.Tensor | None = None) -> torch.Tensor:
+def quantize_kv(
+    x: torch.Tensor, fmt: KVCacheFormat, scale: torch.Tensor | None = None, rounding: FP8Rounding = FP8Rounding.nearest
+) -> torch.Tensor:
     """The cached keys or values ``x [batch, kv_heads, seq, head_dim]`` after a round trip through ``fmt``.
 
     ``scale``: a calibrated scale (fp8, int8; one value, or one per KV head); None: dynamic scales.
+    ``rounding``: how fp8 stores a value between two E4M3 values (the other formats round to nearest).
     """
     if x.dim() != 4:
         raise CompressError(f"KV states have shape {tuple(x.shape)}: expected [batch, kv_heads, seq, head_dim]")
     if scale is not None and not fmt.calibrated:
         raise CompressError(f"a {fmt.value} KV cache takes no calibrated scale: its scales are per block or per token")
     if fmt == KVCacheFormat.fp8:
-        return fp8_round_trip(x, scale)
+        return fp8_round_trip(x, scale, rounding)
     if fmt in (KVCacheFormat.int8, KVCacheFormat.int4):
         return int_round_trip(x, fmt.bits, scale)
     return ggml_round_trip(x, GGMLType.Q8_0 if fmt == KVCacheFormat.q8_0 else GGMLType.Q4_0)

@@ -58,3 +58,23 @@ def test_vllm_perplexity_agrees_with_ours(vllm_python, smollm2_2_blocks, tmp_pat
     theirs = _ppl(model, "--backend", "vllm", "--vllm-python", str(vllm_python))
     print(f"{scheme or 'float'}: ours {ours:.4f}, vLLM {theirs:.4f}, ratio {theirs / ours:.6f}")
     assert abs(theirs / ours - 1) < tolerance, (ours, theirs)
+
+
+def test_vllm_cpu_fp8_cache_stores_our_toward_zero_rounding(vllm_python):
+    """vLLM's CPU cache (the op its attention fills the cache with) stores E4M3 values rounded toward zero: our
+    `FP8Rounding.toward_zero` gives its values exactly, and round-to-nearest does not."""
+    import subprocess
+    from pathlib import Path
+
+    import torch
+
+    from compress.quantizers.kv_cache import FP8Rounding, KVCacheFormat, quantize_kv
+
+    script = Path(__file__).resolve().parents[2] / "bench" / "vllm_kv_rounding.py"
+    run = subprocess.run([str(vllm_python), str(script), "--json"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    answer = json.loads(run.stdout.strip().splitlines()[-1])
+    values, stored = (torch.tensor(answer[k]).reshape(1, 1, 32, 64) for k in ("values", "stored"))
+    one = torch.tensor([1.0])
+    torch.testing.assert_close(quantize_kv(values, KVCacheFormat.fp8, one, FP8Rounding.toward_zero), stored, rtol=0, atol=0)
+    assert (quantize_kv(values, KVCacheFormat.fp8, one) != stored).float().mean() > 0.3

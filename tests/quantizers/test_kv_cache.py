@@ -8,7 +8,7 @@ import pytest
 import torch
 from references import one_line_error
 
-from compress.quantizers.kv_cache import KVCacheFormat, quantize_kv, scale_from_amax
+from compress.quantizers.kv_cache import FP8Rounding, KVCacheFormat, quantize_kv, scale_from_amax
 
 
 def e4m3_values() -> np.ndarray:
@@ -63,6 +63,27 @@ def test_fp8_static_scale_matches_enumeration(per_head):
     # exact midpoints between neighbours round to the even code
     mids = torch.tensor([1.0625, 1.1875, 15.5, 240.0, 464.0, -1.0625]).reshape(1, 1, 1, -1)
     torch.testing.assert_close(quantize_kv(mids, KVCacheFormat.fp8, torch.tensor(1.0)), torch.tensor([1.0, 1.25, 16.0, 240.0, 448.0, -1.0]).reshape(1, 1, 1, -1))
+
+
+def truncate_e4m3(v: np.ndarray) -> np.ndarray:
+    """The largest-magnitude E4M3 value not above |v| (saturating at 448), with v's sign."""
+    grid = e4m3_values()
+    a = np.minimum(np.abs(np.asarray(v, dtype=np.float64)), 448.0)
+    return np.copysign(grid[np.searchsorted(grid, a, side="right") - 1], v)
+
+
+@pytest.mark.parametrize("per_head", [False, True])
+def test_fp8_toward_zero_matches_enumeration(per_head):
+    x = kv(seed=3, scale=3.0)
+    x[0, 0, 0, :6] = torch.tensor([1e4, -1e4, 0.0, 1e-12, 1.0625, -1.1875])  # saturation, zero, underflow, midpoints
+    scale = torch.tensor([0.01, 0.02, 0.004]) if per_head else torch.tensor([0.01])
+    got = quantize_kv(x, KVCacheFormat.fp8, scale, FP8Rounding.toward_zero)
+    s = scale.reshape(1, -1, 1, 1).float()
+    ratio = (x * (1.0 / s)).numpy()  # vLLM's CPU cache multiplies by the scale's float32 reciprocal
+    want = torch.from_numpy(truncate_e4m3(ratio)).float() * s
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+    assert (got.abs() <= x.abs() + 1e-30).all()  # never away from zero
+    assert (got != quantize_kv(x, KVCacheFormat.fp8, scale)).float().mean() > 0.3  # about half the values differ
 
 
 def test_fp8_dynamic_scale_is_tensor_amax():
