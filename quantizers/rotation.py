@@ -14,7 +14,12 @@ R2 rotates each attention head's values by ``R [d, d]``: the value projection's 
 ``Rᵀ W_h`` (a writer, per head), the output projection's columns of head ``h`` become ``W_h R`` (a reader, per
 head); the attention weights mix whole heads, so the heads' outputs carry ``R`` to the output projection.
 
-The products are computed in float64 and returned in the weight's dtype. Pure functions: inputs are not modified.
+R4 rotates the down projection's input online (SpinQuant): at run time ``x -> x M`` with ``M = diag(B, …, B)``,
+``B = H / √b`` for a Hadamard ``H [b, b]`` (one block, or ``n / b`` of them), and offline ``W -> W M``, so that
+``(x M)(W M)ᵀ = x Wᵀ``: the layer computes the same function while its input, spread over every channel of a
+block, suits a per-token activation grid.
+
+The fused products are computed in float64 and returned in the weight's dtype. Pure functions: inputs are not modified.
 """
 
 from __future__ import annotations
@@ -61,6 +66,19 @@ def rotate_head_rows(weight: torch.Tensor, r: torch.Tensor) -> torch.Tensor:
         return out.reshape(w.shape)
 
     return _apply(weight, product)
+
+
+def rotate_input_blocks(weight: torch.Tensor, m: torch.Tensor) -> torch.Tensor:
+    """``W [out, n] · diag(M, …, M)`` for ``M [b, b]``, ``b`` dividing ``n``: R4 fused into a down projection."""
+    return rotate_head_columns(weight, m)
+
+
+def online_rotation(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """``x [..., n] · diag(H, …, H) / √b`` for ``H [b, b]`` (±1 entries, unnormalized), computed in ``h``'s dtype and
+    returned in ``x``'s: compressed-tensors' ``HadamardTransform`` on an ``input`` (``(x H) / √b``, its rounding)."""
+    b = h.shape[0]
+    y = x.to(h.dtype).unflatten(-1, (-1, b)) @ h
+    return (y.flatten(-2) / b ** 0.5).to(x.dtype)
 
 
 def rotate_head_columns(weight: torch.Tensor, r: torch.Tensor) -> torch.Tensor:

@@ -35,6 +35,7 @@ from torch import nn
 
 from compress.errors import CompressError
 from compress.checkpoints.model_io import QUANTIZABLE_TYPES, get_weight
+from compress.checkpoints.transforms import ONLINE_ATTR
 from compress.pruners.structured import Axis, StructuredLayout
 
 
@@ -227,7 +228,8 @@ def resolve_groups(block: nn.Module, model_type: str) -> list[ResolvedGroup]:
     """The groups of ``block`` whose producer and consumers exist and whose widths match.
 
     A linear producer whose output width differs from its consumers' input (grouped-query attention's
-    v_proj against o_proj) is skipped: the scale cannot be moved through the head repetition.
+    v_proj against o_proj) is skipped: the scale cannot be moved through the head repetition; so is a group whose
+    consumers' input is transformed online (`compress.checkpoints.transforms`).
     """
     mapping = block_map(model_type)
     modules = dict(block.named_modules())
@@ -249,6 +251,9 @@ def resolve_groups(block: nn.Module, model_type: str) -> list[ResolvedGroup]:
             produced = _out_width(prev) // (group.prev_chunk[1] if group.prev_chunk else 1)
             if produced != width or any(_matrix(m).shape[1] != width for m in layers + followers):
                 continue
+            if any(getattr(m, ONLINE_ATTR, None) is not None for m in layers + followers):
+                continue  # its input is rotated at run time (R4): a scale on the rotated channels has no producer row
+
             groups.append(ResolvedGroup(group, prev, layers, followers, mapping.norm_offset))
     return groups
 

@@ -254,7 +254,17 @@ def open_model(path: Path, trust_remote_code: bool = False) -> ModelHandle:
     names = checkpoint_names(model, reader.names())  # also unfuses experts stored per expert
     handle = ModelHandle(path, config, model, reader, blocks_name, blocks, names=names)
     check_weights_match_config(handle)
+    install_transforms(handle)
     return handle
+
+
+def install_transforms(handle: ModelHandle) -> int:
+    """The online transforms config.json records (`compress.checkpoints.transforms`), hooked on ``handle.model``'s
+    modules (those not hooked yet), their matrices read from the checkpoint. Returns the modules hooked."""
+    from compress.checkpoints.transforms import install_online_transforms
+
+    config = json.loads((handle.path / "config.json").read_text())
+    return install_online_transforms(handle.model, config, lambda key: handle.reader.get(key) if key in handle.reader else None)
 
 
 def check_weights_match_config(handle: ModelHandle) -> None:

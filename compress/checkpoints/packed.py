@@ -25,7 +25,7 @@ from compress.formats import ct_float
 from compress.formats import gptq
 from compress.kernels.quant_linear import QuantLinear
 from compress.quantizers.float_grid import FloatGrid
-from compress.checkpoints.model_io import ModelHandle, open_model, quantizable_layers
+from compress.checkpoints.model_io import ModelHandle, install_transforms, open_model, quantizable_layers
 
 log = logging.getLogger(__name__)
 
@@ -176,6 +176,7 @@ def load_packed_model(path: Path, device: torch.device | str = "cpu", dtype: tor
     for name, layer in built.items():
         parent, _, attr = name.rpartition(".")
         setattr(model.get_submodule(parent) if parent else model, attr, layer)
+    install_transforms(handle)  # the packed layers that replaced hooked ones
     model = handle.load_remaining(device, dtype)
     log.info("loaded %d packed layers (%s) from %s", len(built), kind, path)
     return model

@@ -21,6 +21,7 @@ class RotationLayout:
     values: str  # the value projection's weight (R2: rows by head)
     mixer: str  # the output projection's weight (R2: columns by head)
     untouched: tuple[str, ...] = ()  # block tensors the stream does not reach (per-head q/k norms)
+    down: str | None = None  # the MLP's output layer's weight (R4: its input rotated online); None: R4 refused
     norm_offset: float = 0.0  # the norms scale by offset + weight
 
 
@@ -36,15 +37,16 @@ _LLAMA = RotationLayout(
            "post_attention_layernorm.weight": (f"{_MLP}.gate_proj.weight", f"{_MLP}.up_proj.weight")},
     writers=(f"{_ATTN}.o_proj.weight", f"{_MLP}.down_proj.weight"),
     values=f"{_ATTN}.v_proj.weight", mixer=f"{_ATTN}.o_proj.weight",
-    untouched=(f"{_ATTN}.q_norm.weight", f"{_ATTN}.k_norm.weight"),
+    untouched=(f"{_ATTN}.q_norm.weight", f"{_ATTN}.k_norm.weight"), down=f"{_MLP}.down_proj.weight",
 )
 # MoE: the router and every expert read the post-attention norm's output; the experts' down projections add to the
 # stream. Qwen2-MoE's shared expert (and the gate scaling it) reads and writes as a dense MLP does.
 _EXPERTS = f"{_MLP}.experts.*"
-_MIXTRAL = replace(_LLAMA, norms={**_LLAMA.norms, "post_attention_layernorm.weight": (
+# MoE experts take no R4: transformers and vLLM hold them fused, not as the Linear layers an online transform hooks
+_MIXTRAL = replace(_LLAMA, down=None, norms={**_LLAMA.norms, "post_attention_layernorm.weight": (
     f"{_MLP}.gate.weight", f"{_EXPERTS}.w1.weight", f"{_EXPERTS}.w3.weight")},
     writers=(f"{_ATTN}.o_proj.weight", f"{_EXPERTS}.w2.weight"))
-_QWEN_MOE = replace(_LLAMA, norms={**_LLAMA.norms, "post_attention_layernorm.weight": (
+_QWEN_MOE = replace(_LLAMA, down=None, norms={**_LLAMA.norms, "post_attention_layernorm.weight": (
     f"{_MLP}.gate.weight", f"{_EXPERTS}.gate_proj.weight", f"{_EXPERTS}.up_proj.weight",
     f"{_MLP}.shared_expert.gate_proj.weight", f"{_MLP}.shared_expert.up_proj.weight", f"{_MLP}.shared_expert_gate.weight")},
     writers=(f"{_ATTN}.o_proj.weight", f"{_EXPERTS}.down_proj.weight", f"{_MLP}.shared_expert.down_proj.weight"))

@@ -32,6 +32,7 @@ from compress.cli.options import (
     OUTPUT_OPT,
     OVERWRITE_OPT,
     RESUME_OPT,
+    ROTATE_ONLINE_OPT,
     ROTATE_OPT,
     SAMPLES_OPT,
     ACTIVATION_MEMORY_OPT,
@@ -97,7 +98,12 @@ def _execute(recipe, as_json: bool) -> None:
 
 def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
     """Build the one-stage recipe of a compressing command from its options, and run it."""
-    rotation = [{"method": "rotate", "kind": args["rotate"]}] if args.get("rotate") is not None else []
+    online = args.get("rotate_online") or []
+    if online and args.get("rotate") is None:
+        from compress.errors import CompressError
+
+        raise CompressError("--rotate-online needs --rotate (the online rotation's kind): add --rotate hadamard or random-hadamard")
+    rotation = [{"method": "rotate", "kind": args["rotate"], **({"online": online} if online else {})}] if args.get("rotate") is not None else []
     data: dict[str, Any] = {
         "model": args["model"],
         "stages": rotation + [{**stage, "include": args["include"], "exclude": args["exclude"], **parse_options(args["option"])}],
@@ -141,6 +147,7 @@ def quantize(
     ),
     symmetric: Optional[bool] = typer.Option(None, "--sym/--asym", help="Symmetric or asymmetric grid (default symmetric)."),
     rotate: Optional[str] = ROTATE_OPT,
+    rotate_online: list[str] = ROTATE_ONLINE_OPT,
     output_format: str = FORMAT_OPT,
     calib: Optional[Path] = CALIB_OPT,
     samples: int = SAMPLES_OPT,
@@ -195,6 +202,7 @@ def prune(
         None, "--target-params", help="Structured: scale MLP and hidden widths to at most this many parameters, e.g. 90M.",
     ),
     rotate: Optional[str] = ROTATE_OPT,
+    rotate_online: list[str] = ROTATE_ONLINE_OPT,
     output_format: str = FORMAT_OPT,
     calib: Optional[Path] = CALIB_OPT,
     samples: int = SAMPLES_OPT,

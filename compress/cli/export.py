@@ -8,7 +8,8 @@ from typing import Optional
 import typer
 
 from compress.cli.measure import MAX_KLD_OPT, TARGET_BPW_OPT, TARGET_SIZE_OPT
-from compress.cli.options import COMPUTE_DTYPE_OPT, DEVICE_OPT, JSON_OPT, MODEL_ARG, ROTATE_OPT, SAMPLES_OPT, SEQ_LEN_OPT, parse_options
+from compress.cli.options import (COMPUTE_DTYPE_OPT, DEVICE_OPT, JSON_OPT, MODEL_ARG, ROTATE_ONLINE_OPT, ROTATE_OPT, SAMPLES_OPT,
+                                 SEQ_LEN_OPT, parse_options)
 from compress.cli.console import command_line, console, human_bytes, key_value_table, launched_rank, print_json, progress_bars, user_errors
 
 
@@ -44,6 +45,7 @@ def export_command(
         [], "-O", "--option", help="GPTQ/AWQ setting KEY=VALUE, e.g. -O asymmetric=true, -O damp=0.1, -O tied_output=false (see docs/gguf.md).",
     ),
     rotate: Optional[str] = ROTATE_OPT,
+    rotate_online: list[str] = ROTATE_ONLINE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """Export a checkpoint (llama, mistral, qwen2, qwen3, phi3, gemma2, gemma3_text, gpt2, mixtral, qwen2_moe, qwen3_moe) to one GGUF file that llama.cpp runs."""
@@ -57,6 +59,9 @@ def export_command(
 
     if output_format != "gguf":
         raise CompressError(f"unknown export format {output_format!r}: use --format gguf")
+    if rotate_online:
+        raise CompressError("--rotate-online: GGUF stores weights only and llama.cpp applies no online transform: drop it "
+                            "(--rotate alone is fused into the weights), or write a compressed-tensors checkpoint with `compress quantize`")
     try:
         target = Target(gguf_type.lower())
     except ValueError:

@@ -51,3 +51,7 @@ ROTATE_OPT = typer.Option(
     None, "--rotate",
     help="First fuse a rotation into the weights (same function, outliers spread): hadamard or random-hadamard.",
 )
+ROTATE_ONLINE_OPT = typer.Option(
+    [], "--rotate-online",
+    help="With --rotate: also an online rotation, applied at run time and recorded as a compressed-tensors transform: r4 (each down projection's input).",
+)

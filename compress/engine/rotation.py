@@ -1,5 +1,6 @@
 """A checkpoint with a rotation fused into its weights (`compress.quantizers.rotation`), written tensor by tensor:
-R1 on the residual stream (every norm's scale folded into the layers that read it), R2 on each head's values.
+R1 on the residual stream (every norm's scale folded into the layers that read it), R2 on each head's values, and
+the offline half of R4 (each down projection's weight times the block rotation its input takes at run time).
 Which tensor plays which part is the architecture's `RotationLayout`; a tensor it does not name is an error,
 never silently copied."""
 
@@ -15,8 +16,8 @@ from compress.checkpoints.rotation_layouts import RotationLayout, matching
 from compress.checkpoints.shards import ShardedWriter
 from compress.engine.structured import stored_parameters
 from compress.errors import CompressError
-from compress.quantizers.rotation import (fold_norm, rotate_head_columns, rotate_head_rows, rotate_reader, rotate_writer,
-                                          unit_norm)
+from compress.quantizers.rotation import (fold_norm, rotate_head_columns, rotate_head_rows, rotate_input_blocks, rotate_reader,
+                                          rotate_writer, unit_norm)
 
 
 def _unplaced(name: str) -> CompressError:
@@ -26,10 +27,11 @@ def _unplaced(name: str) -> CompressError:
 
 class Rotator:
     """The rotated value of each stored tensor of ``handle``: ``q [hidden, hidden]`` (R1), ``r [head_dim, head_dim]``
-    (R2) or None."""
+    (R2) or None, ``down [b, b]`` (R4's block, ``b`` dividing the MLP's width) or None."""
 
-    def __init__(self, handle: ModelHandle, layout: RotationLayout, q: torch.Tensor, r: torch.Tensor | None):
-        self.handle, self.layout, self.q, self.r = handle, layout, q, r
+    def __init__(self, handle: ModelHandle, layout: RotationLayout, q: torch.Tensor, r: torch.Tensor | None,
+                 down: torch.Tensor | None = None):
+        self.handle, self.layout, self.q, self.r, self.down = handle, layout, q, r, down
         self.reads = {reader: norm for norm, readers in layout.norms.items() for reader in readers}  # pattern -> norm
 
     def stored(self, name: str) -> torch.Tensor:
@@ -64,6 +66,8 @@ class Rotator:
         elif matching(weight, lay.writers):  # a writer's weight or bias; the output projection's columns first take R2
             if self.r is not None and rel == lay.mixer:
                 value = rotate_head_columns(value, self.r)
+            if self.down is not None and rel == lay.down:  # and the down projection's, R4
+                value = rotate_input_blocks(value, self.down)
             value = rotate_writer(value, self.q)
         elif rel not in lay.untouched:
             raise _unplaced(name)
@@ -73,12 +77,13 @@ class Rotator:
 
 
 def write_rotated(handle: ModelHandle, layout: RotationLayout, q: torch.Tensor, r: torch.Tensor | None, directory: Path,
-                  shard_bytes: int = 256 << 20) -> bool:
+                  shard_bytes: int = 256 << 20, down: torch.Tensor | None = None,
+                  extra: dict[str, torch.Tensor] | None = None) -> bool:
     """Write ``handle``'s checkpoint with the rotation fused into ``directory`` (sharded safetensors, each tensor in
-    its stored dtype). Returns whether it untied the output layer from the embeddings: the output layer is the
-    embeddings times the final norm's scale, so it is written on its own unless that scale is 1 (then both stay
-    one tensor, the rotated embeddings)."""
-    rotator = Rotator(handle, layout, q, r)
+    its stored dtype), and the ``extra`` tensors (an online transform's matrix). Returns whether it untied the output
+    layer from the embeddings: the output layer is the embeddings times the final norm's scale, so it is written on
+    its own unless that scale is 1 (then both stay one tensor, the rotated embeddings)."""
+    rotator = Rotator(handle, layout, q, r, down)
     names = stored_parameters(handle)
     tied = layout.head not in names
     gamma = rotator.stored(layout.final_norm)
@@ -90,5 +95,7 @@ def write_rotated(handle: ModelHandle, layout: RotationLayout, q: torch.Tensor, 
         writer.add(name, rotator.tensor(name).contiguous())
     if tied and not keep_tied:
         writer.add(layout.head, rotator.head_from(layout.embeddings).contiguous())
+    for name, tensor in (extra or {}).items():
+        writer.add(name, tensor.contiguous())
     writer.close()
     return tied and not keep_tied

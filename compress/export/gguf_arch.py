@@ -71,6 +71,9 @@ def read_config(model: Path) -> dict:
         key, supported = ACTIVATIONS[kind]
         if config.get(key, supported[0]) not in supported:
             raise CompressError(f"{model}: llama.cpp's {ARCHITECTURES[kind]} computes {supported[0]}, not this model's {key} {config[key]!r}: it cannot be exported")
+    if (config.get("quantization_config") or {}).get("transform_config", {}).get("config_groups"):
+        raise CompressError(f"{model} records online rotations (transform_config), which GGUF cannot hold and llama.cpp does not "
+                            "apply: export a checkpoint rotated without --rotate-online")
     if config.get("quantization_config"):
         raise CompressError(f"{model} is already quantized (quantization_config): export the original checkpoint")
     arch = ARCHITECTURES[kind]

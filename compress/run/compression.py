@@ -16,6 +16,7 @@ from compress.checkpoints.calibration import load_calibration
 from compress.checkpoints.conversion import RenamingWriter
 from compress.checkpoints.experts import expert_layers
 from compress.checkpoints.shards import DiscardingWriter, ShardedWriter
+from compress.checkpoints.transforms import only_transforms, transform_config, transform_keys, with_transforms
 from compress.engine.activations import scratch_beside
 from compress.engine.block_engine import Engine, EngineResult, LayerFn, ProgressFn, Stage
 from compress.engine.journal import BlockJournal, check_resumable, fingerprint
@@ -193,10 +194,16 @@ def run_stages(
     digests = Background(lambda: _inputs(recipe), "input digests")  # while the model's code is imported
     device = resolve_device(recipe.device.value)
     handle = open_model(recipe.model, recipe.trust_remote_code)
-    if getattr(handle.config, "quantization_config", None):
+    quantized = getattr(handle.config, "quantization_config", None)
+    if quantized and not only_transforms(quantized):
         raise CompressError(f"{recipe.model} is already quantized (quantization_config in config.json): compress the original checkpoint")
+    source_config = json.loads((recipe.model / "config.json").read_text())
+    transforms = transform_config(source_config)  # online rotations: applied on the engine's forwards, carried over
     recipe, notes = resolve_auto_group_sizes(recipe, handle)
     packer = make_format(recipe.output.format)
+    if transforms is not None and packer is not None and packer.name != "compressed-tensors":
+        raise CompressError(f"{recipe.model} records online rotations (transform_config), which only compressed-tensors loaders "
+                            f"apply: write --format compressed-tensors or fake, not {packer.name}")
     if packer is not None:
         for method in recipe.methods():
             packer.check_stage(method.record())
@@ -250,6 +257,8 @@ def run_stages(
             result = engine.run(writer, calibration, journal)
         journal.remove()
         kv_scheme = store_kv_scales(observer, writer, handle.config)
+        for key in transform_keys(source_config, handle.reader.names()):
+            writer.add(key, handle.reader.get(key))
         writer.close()
         copy_side_files(recipe.model, tmp)
         write_layer_report(tmp, result.layers)
@@ -263,7 +272,7 @@ def run_stages(
         write_config(recipe.model, tmp, record)
         dense = _dense_linears(handle, engine.packed)
         qc = packer.config(_packed_on_disk(handle, engine.packed), dense) if engine.packed else None
-        qc = with_kv_cache_scheme(qc, kv_scheme, dense)
+        qc = with_transforms(with_kv_cache_scheme(qc, kv_scheme, dense), transforms)
         if qc is not None:
             compute = packer.compute_dtype(engine.packed) if engine.packed else None
             _write_quantization_config(tmp, qc, compute)

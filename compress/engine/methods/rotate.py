@@ -1,6 +1,9 @@
 """Rotations fused offline as a method: QuaRot's (random) Hadamard R1 on the residual stream and R2 on each head's
 values, written as an ordinary dense checkpoint with the same function. Placed first in a recipe, the stages after
 it compress the rotated checkpoint, where outlier channels are spread over every channel before any grid is fitted.
+Asked for, SpinQuant's R4 rotates each down projection's input online: fused into its weight, and recorded as
+compressed-tensors' ``transform_config`` (`compress.checkpoints.transforms`) with its matrix, which every loader
+(ours, compressed-tensors, vLLM) applies at run time.
 Algorithms: `compress.quantizers.hadamard`, `compress.quantizers.rotation`; the rewrite: `compress.engine.rotation`.
 """
 
@@ -10,14 +13,16 @@ import enum
 import json
 from typing import ClassVar
 
+import torch
 from pydantic import Field
 
 from compress.checkpoints.rotation_layouts import rotation_layout
+from compress.checkpoints.transforms import R4, r4_config, transform_key, with_transforms
 from compress.engine.methods.base import CheckpointMethod, MethodConfig, Rewritten
 from compress.engine.registry import register_method
 from compress.engine.rotation import write_rotated
 from compress.errors import CompressError
-from compress.quantizers.hadamard import hadamard, random_hadamard
+from compress.quantizers.hadamard import hadamard, random_hadamard, sylvester
 
 
 class RotationKind(str, enum.Enum):
@@ -25,10 +30,18 @@ class RotationKind(str, enum.Enum):
     random_hadamard = "random-hadamard"  # H / √n · diag(±1), signs drawn from the seed (QuaRot)
 
 
+class OnlineRotation(str, enum.Enum):
+    r4 = "r4"  # a Hadamard on each down projection's input, at run time (SpinQuant's R4)
+
+
 class RotateConfig(MethodConfig):
     kind: RotationKind = Field(RotationKind.random_hadamard, description="hadamard or random-hadamard (seeded signs)")
     seed: int = Field(0, description="random-hadamard: the signs' seed (R1 from it, R2 from seed + 1)")
     heads: bool = Field(True, description="also R2: rotate each attention head's values, undone in the output projection")
+    online: list[OnlineRotation] = Field(
+        default_factory=list, description="online rotations, recorded as compressed-tensors transforms: r4 (each down "
+        "projection's input; hadamard: Sylvester blocks of the largest power of two dividing the width; random-hadamard: "
+        "the whole width, signs from seed + 2)")
 
 
 def _matrix(kind: RotationKind, n: int, seed: int):
@@ -53,10 +66,33 @@ class Rotate(CheckpointMethod):
         head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
         q = _matrix(cfg.kind, hidden, cfg.seed)
         r = _matrix(cfg.kind, head_dim, cfg.seed + 1) if cfg.heads else None
-        untied = write_rotated(handle, layout, q, r, directory)
-        notes = [f"{cfg.kind.value} rotation of the residual stream ({hidden} wide)"
-                 + (f" and of each head's values ({head_dim} wide)" if r is not None else "")]
+        down, extra, notes = None, {}, []
+        if OnlineRotation.r4 in cfg.online:
+            down, extra, note = self._r4(handle, layout, config)
+            notes.append(note)
+        untied = write_rotated(handle, layout, q, r, directory, down=down, extra=extra)
+        notes.insert(0, f"{cfg.kind.value} rotation of the residual stream ({hidden} wide)"
+                     + (f" and of each head's values ({head_dim} wide)" if r is not None else ""))
         if untied:
             config["tie_word_embeddings"] = False
             notes.append("the output layer is written apart from the embeddings: the final norm's scale folds into it alone")
         return Rewritten(config, self.record(), notes)
+
+    def _r4(self, handle, layout, config: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor], str]:
+        """R4's normalized block (fused), its stored ±1 matrix, and ``config`` with the transform recorded."""
+        cfg = self.config
+        if layout.down is None:
+            raise CompressError(f"rotate online r4: {config['model_type']}'s experts are held fused by transformers and vLLM, "
+                                "not as the Linear layers an online transform hooks: rotate without it")
+        width = config["intermediate_size"]
+        if cfg.kind is RotationKind.hadamard:  # compressed-tensors' deterministic hadamard: Sylvester's, powers of two
+            block = width & -width
+            h = sylvester(block)
+            head_dim, kind = (None if block == width else block), "Sylvester blocks"
+        else:
+            h = torch.sign(_matrix(cfg.kind, width, cfg.seed + 2))  # the ±1 matrix of the whole width
+            block, head_dim, kind = width, None, "one random Hadamard"
+        config["quantization_config"] = with_transforms(config.get("quantization_config"), r4_config(cfg.kind.value, head_dim))
+        first = f"{handle.blocks_name}.0.{layout.down.removesuffix('.weight')}"
+        note = f"R4 online on each down projection's input ({kind} of {block} over {width} channels), recorded as transform_config"
+        return h / block ** 0.5, {transform_key(first, R4): h.to(torch.float32)}, note

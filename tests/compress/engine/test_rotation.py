@@ -183,3 +183,96 @@ def test_a_rotated_gguf_runs_in_llama_cpp_as_the_original(tmp_path, llama_cpp_ru
     plain, rotated = report.rows
     assert plain.evaluator == rotated.evaluator == "llama.cpp"
     assert rotated.perplexity == pytest.approx(plain.perplexity, rel=1e-3) and rotated.kld < 1e-3
+
+
+# -- R4: each down projection's input rotated online (compress.checkpoints.transforms) ---------------------------------
+def _r4_model(tmp_path, kind: str, case: str = "llama"):
+    model = _random_model(tmp_path, CASES[case]())
+    return model, _rotate(model, tmp_path / "rotated", kind=kind, online=["r4"]).output
+
+
+@pytest.mark.parametrize("kind", ["hadamard", "random-hadamard"])
+@pytest.mark.parametrize("case", ["llama", "qwen2-bias", "gemma-norm-offset-tied"])
+def test_r4_keeps_the_function_where_the_online_rotation_is_applied(case, kind, tmp_path):
+    from compress.checkpoints.architecture import resolve_groups
+    from compress.checkpoints.loading import load_model
+    from compress.checkpoints.model_io import open_model
+    from compress.checkpoints.transforms import ONLINE_ATTR, r4_config
+
+    model, rotated = _r4_model(tmp_path, kind, case)
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    before = _logits(model, ids)
+    with torch.no_grad():
+        after = load_model(rotated, torch.device("cpu"), torch.float64)(ids).logits
+    assert (after - before).abs().max() < 1e-5 * before.abs().max()  # the online half runs in float32, its precision
+    # without it (transformers alone), another function: the down projections' weights carry R4's offline half
+    assert (_logits(rotated, ids) - before).abs().max() > 1e-3 * before.abs().max()
+    # intermediate 96 = 3·32: Sylvester blocks of 32 (compressed-tensors' deterministic hadamard), or one random 96
+    config = json.loads((rotated / "config.json").read_text())
+    assert config["quantization_config"]["transform_config"] == r4_config(kind, 32 if kind == "hadamard" else None)
+    handle = open_model(rotated)  # the engine's skeleton: every down projection hooked, so calibration sees x·M
+    assert all(getattr(block.mlp.down_proj, ONLINE_ATTR, None) is not None for block in handle.blocks)
+    # AWQ/SmoothQuant: no scale on the down projection's rotated input (the unrotated model has that group)
+    scaled = [{n for g in resolve_groups(open_model(path).blocks[0], config["model_type"]) for n in g.group.layers}
+              for path in (model, rotated)]
+    assert "mlp.down_proj" in scaled[0] and "mlp.down_proj" not in scaled[1]
+
+
+@pytest.mark.parametrize("stage", [None, {"method": "gptq", "bits": 4, "group_size": 16}])
+def test_transformers_and_compressed_tensors_compute_our_r4_checkpoint(stage, tmp_path, tiny_tokenizer, monkeypatch):
+    """The consumer: transformers loads the checkpoint with compressed-tensors (float, or W4A16 packed) and
+    compressed-tensors' own `apply_transform_config` builds the transforms from its config, their tensors then loaded
+    from the checkpoint (transformers#42887's order: transforms first, the checkpoint's weights over them)."""
+    monkeypatch.undo()
+    ct = pytest.importorskip("compressed_tensors.transform")
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from compress.checkpoints.loading import load_model
+
+    model = _random_model(tmp_path, tiny_llama_config(**_SMALL))
+    tiny_tokenizer.save_pretrained(model)
+    rotate = {"method": "rotate", "kind": "random-hadamard", "online": ["r4"]}
+    recipe = {"model": model, "stages": [rotate] + ([stage] if stage else []), "output": {"path": tmp_path / "out"}}
+    if stage:
+        recipe["calibration"] = {"path": CALIB_TEXT, "samples": 4, "seq_len": 32}
+    out = run_recipe(parse_recipe(recipe)).output
+    config = json.loads((out / "config.json").read_text())
+    stored = {k: v for k, v in load_file(out / "model.safetensors").items() if "R4_input" in k}
+    assert list(stored) == ["model.layers.0.mlp.down_proj.R4_input.weight"]  # stored once, as compressed-tensors does
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    with torch.no_grad():
+        theirs(ids)  # a packed model decompresses on its first forward
+        weights = {n: m.weight.clone() for n, m in theirs.named_modules() if n.endswith("down_proj")}
+        ct.apply_transform_config(theirs, ct.TransformConfig.model_validate(config["quantization_config"]["transform_config"]))
+        for name, weight in weights.items():
+            theirs.get_submodule(name).weight.copy_(weight)
+        assert theirs.load_state_dict(stored, strict=False).unexpected_keys == []
+        expected = theirs(ids).logits
+        got = load_model(out, torch.device("cpu"), torch.float32)(ids).logits
+    assert torch.allclose(got, expected, atol=1e-5 * expected.abs().max().item())
+
+
+def test_what_cannot_take_r4_is_one_line(tmp_path, tiny_tokenizer):
+    from typer.testing import CliRunner
+
+    from compress.cli import app
+
+    with pytest.raises(CompressError, match="experts are held fused") as caught:
+        _r4_model(tmp_path / "moe", "hadamard", "mixtral")
+    assert "\n" not in str(caught.value)
+    model, rotated = _r4_model(tmp_path, "hadamard")
+    tiny_tokenizer.save_pretrained(rotated)
+    with pytest.raises(CompressError, match="only compressed-tensors loaders apply: write --format compressed-tensors or fake"):
+        run_recipe(parse_recipe({"model": rotated, "stages": [{"method": "rtn", "bits": 4, "group_size": 16}],
+                                 "output": {"path": tmp_path / "gptq", "format": "gptq"}}))
+    for args, needle in [
+        (["export", str(rotated), "-o", str(tmp_path / "r.gguf"), "--type", "f16"], "records online rotations"),
+        (["export", str(model), "-o", str(tmp_path / "r.gguf"), "--type", "f16", "--rotate", "hadamard", "--rotate-online", "r4"],
+         "llama.cpp applies no online transform"),
+        (["quantize", str(model), "-o", str(tmp_path / "q"), "--rotate-online", "r4"], "--rotate-online needs --rotate"),
+    ]:
+        done = CliRunner().invoke(app, args)
+        assert done.exit_code == 2 and needle in done.output, done.output
+    assert not (tmp_path / "r.gguf").exists() and not (tmp_path / "q").exists()

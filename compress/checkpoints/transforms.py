@@ -1,0 +1,161 @@
+"""Online transforms: rotations a checkpoint records for run time, as compressed-tensors' ``transform_config``
+(``quantization_config.transform_config`` in config.json), and their installation on a loaded model.
+
+The layout is compressed-tensors' (``compressed_tensors.transform``; llm-compressor's SpinQuantModifier writes the
+same for its R4):
+
+- ``config_groups``: scheme name -> ``TransformScheme`` (``type`` hadamard or random-hadamard, ``apply`` a list of
+  ``TransformArgs`` {targets, location, inverse, ignore}, ``randomize``, ``requires_grad``, ``head_dim``: the block
+  size of a block-diagonal transform or null for one block of the whole width, ``precision``);
+- a ``location: input`` argument is applied at run time: ``x -> x · diag(H, …, H) / √b`` in ``precision``, ``H
+  [b, b]`` the stored ±1 matrix; its ``weight_input``/``inverse`` partner is already fused into the weight;
+- the tensors: ``H`` is stored once per scheme, as ``<first target module>.<scheme>_<location>.weight``
+  (compressed-tensors serializes a shared transform weight once; its loaders tie the others to it).
+
+Targets are matched as compressed-tensors matches them: ``re:PATTERN`` by ``re.match`` on the module's name,
+otherwise the exact name or a class name in the module's MRO.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Callable
+
+import torch
+from torch import nn
+
+from compress.errors import CompressError
+from compress.formats.compressed_tensors import CT_VERSION
+from compress.quantizers.rotation import online_rotation
+
+R4 = "R4"  # SpinQuant's name for the rotation of the down projection's input
+DOWN_PROJ = "re:.*down_proj$"  # llm-compressor's SpinQuant mapping of the MLP's output layer
+ONLINE_ATTR = "online_input_transform"  # set on a module whose input is transformed at run time
+PRECISION = "torch.float32"  # compressed-tensors' default TransformScheme precision, as it serializes it
+TYPES = ("hadamard", "random-hadamard")  # transforms H / √b with a stored ±1 matrix H
+
+
+def r4_config(transform_type: str, head_dim: int | None, target: str = DOWN_PROJ) -> dict[str, Any]:
+    """The ``transform_config`` of an R4 rotation: ``TransformConfig(config_groups={"R4": TransformScheme(...)})``
+    dumped as compressed-tensors dumps it (online on the input, its inverse fused into the weight)."""
+    def args(location: str, inverse: bool) -> dict[str, Any]:
+        return {"targets": [target], "location": location, "inverse": inverse, "ignore": []}
+
+    scheme = {"type": transform_type, "apply": [args("input", False), args("weight_input", True)], "randomize": False,
+              "requires_grad": False, "head_dim": head_dim, "precision": PRECISION}
+    return {"config_groups": {R4: scheme}}
+
+
+def transform_config(config: dict[str, Any]) -> dict[str, Any] | None:
+    """The ``transform_config`` of a config.json dict, None where it records no transform."""
+    qc = config.get("quantization_config")
+    tc = qc.get("transform_config") if isinstance(qc, dict) else None
+    return tc if isinstance(tc, dict) and tc.get("config_groups") else None
+
+
+def only_transforms(quantization_config: Any) -> bool:
+    """True for a ``quantization_config`` that quantizes nothing and records online transforms (a rotated float
+    checkpoint): the engine compresses it further, carrying the transforms over."""
+    qc = quantization_config if isinstance(quantization_config, dict) else None
+    return (qc is not None and not qc.get("config_groups") and not qc.get("kv_cache_scheme")
+            and transform_config({"quantization_config": qc}) is not None)
+
+
+def with_transforms(quantization_config: dict[str, Any] | None, transforms: dict[str, Any] | None) -> dict[str, Any] | None:
+    """``quantization_config`` with ``transform_config`` set; a weight-less compressed-tensors config (nothing
+    quantized) when there is none."""
+    if transforms is None:
+        return quantization_config
+    if quantization_config is None:
+        quantization_config = {"config_groups": {}, "format": "dense", "global_compression_ratio": None, "ignore": [],
+                               "quant_method": "compressed-tensors", "quantization_status": "compressed",
+                               "sparsity_config": {}, "version": CT_VERSION}
+    return {**quantization_config, "transform_config": transforms}
+
+
+def transform_key(module: str, scheme: str, location: str = "input") -> str:
+    """Where compressed-tensors stores the transform weight of ``module`` (a submodule ``<scheme>_<location>``)."""
+    return f"{module}.{scheme}_{location}.weight"
+
+
+def matches(name: str, module: nn.Module, targets: list[str]) -> bool:
+    for target in targets:
+        if target.startswith("re:"):
+            if re.match(target.removeprefix("re:"), name):
+                return True
+        elif target == name or any(cls.__name__ == target for cls in type(module).__mro__):
+            return True
+    return False
+
+
+def _precision(value: Any) -> torch.dtype:
+    dtype = getattr(torch, str(value).removeprefix("torch."), None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise CompressError(f"transform_config precision {value!r} is not a float dtype: the config is corrupt")
+    return dtype
+
+
+def transform_keys(config: dict[str, Any], names: list[str]) -> list[str]:
+    """The stored transform tensors' keys among ``names`` (checkpoint keys): carried with the weights."""
+    tc = transform_config(config) or {}
+    suffixes = tuple(f".{scheme}_{args['location']}.weight" for scheme, s in tc.get("config_groups", {}).items()
+                     for args in s.get("apply", []))
+    return [n for n in names if suffixes and n.endswith(suffixes)]
+
+
+def install_online_transforms(model: nn.Module, config: dict[str, Any], read: Callable[[str], torch.Tensor | None]) -> int:
+    """Register, on each module an online ``input`` transform of ``config``'s ``transform_config`` targets, a forward
+    pre-hook (first of its hooks) computing compressed-tensors' transform of its input. ``read(key)``: a stored tensor
+    or None. Modules already hooked are skipped (a layer replaced after a first call is hooked by the next).
+    Returns the modules hooked."""
+    tc = transform_config(config)
+    if tc is None:
+        return 0
+    hooked = 0
+    modules = list(model.named_modules())
+    for scheme_name, scheme in tc["config_groups"].items():
+        if scheme.get("type") not in TYPES:
+            raise CompressError(f"transform_config scheme {scheme_name}: type {scheme.get('type')!r} is not applied here "
+                                f"(only {', '.join(TYPES)})")
+        precision = _precision(scheme.get("precision", PRECISION))
+        for args in scheme.get("apply", []):
+            location = args.get("location")
+            if location in ("weight_input", "weight_output"):
+                continue  # fused into the stored weights
+            if location != "input":
+                raise CompressError(f"transform_config scheme {scheme_name}: online location {location!r} is not applied "
+                                    "here (only input)")
+            targets = [(n, m) for n, m in modules if matches(n, m, args.get("targets", []))
+                       and not matches(n, m, args.get("ignore", []))]
+            stored = [t for n, _ in targets if (t := read(transform_key(n, scheme_name, location))) is not None]
+            if targets and not stored:
+                raise CompressError(f"transform_config scheme {scheme_name} has no stored matrix "
+                                    f"({transform_key(targets[0][0], scheme_name, location)}): the checkpoint is incomplete")
+            for name, module in targets:
+                if getattr(module, ONLINE_ATTR, None) is not None:
+                    continue
+                own = read(transform_key(name, scheme_name, location))
+                matrix = (own if own is not None else stored[0]).to(precision)
+                width = getattr(module, "in_features", None)
+                size = scheme.get("head_dim") or width
+                if matrix.shape != (size, size) or (width is not None and width % size):
+                    raise CompressError(f"{name}: the {scheme_name} transform is {list(matrix.shape)}, not [{size}, {size}] "
+                                        f"dividing its input width {width}: the checkpoint is corrupt")
+                _hook(module, matrix)
+                hooked += 1
+    return hooked
+
+
+def _hook(module: nn.Module, matrix: torch.Tensor) -> None:
+    on_device: dict[torch.device, torch.Tensor] = {}
+
+    def transform(_module, args, kwargs):
+        x = args[0] if args else kwargs["input"]
+        h = on_device.get(x.device)
+        if h is None:
+            h = on_device[x.device] = matrix.to(x.device)
+        y = online_rotation(x, h)
+        return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "input": y})
+
+    setattr(module, ONLINE_ATTR, matrix)
+    module.register_forward_pre_hook(transform, prepend=True, with_kwargs=True)
