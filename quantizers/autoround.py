@@ -20,8 +20,10 @@ with ``f`` the block (the caller's differentiable ``forward``) and ``y`` its flo
 
     p ← p − lr · (1 − t/iters) · sign(∂L/∂p),   lr = 1/iters (V; α and β: ``minmax_lr``, default lr)
 
-Each step takes ``batch_size`` samples from a shuffled order (reshuffled when fewer remain), accumulates the
-gradient sample by sample and keeps the parameters of the step with the lowest loss (``best``; else the last
+Each step takes a mini-batch of ``batch_size`` samples from a shuffled order (reshuffled, the rest dropped, when
+fewer remain: auto-round's ``IndexSampler``), runs them through ``f`` as one batch (``forward`` gets the list of
+the step's samples and returns their outputs concatenated along dim 0, the order of ``torch.cat`` of their
+targets), and keeps the parameters of the step with the lowest loss (``best``, auto-round's default; else the last
 step's). ``sign(0) = 0``: a parameter with no gradient stays.
 """
 
@@ -82,7 +84,7 @@ def _order(n: int, batch: int, seed: int):
 
 
 def autoround(
-    forward: Callable[[dict[str, torch.Tensor], Any], torch.Tensor],
+    forward: Callable[[dict[str, torch.Tensor], list], torch.Tensor],
     weights: dict[str, torch.Tensor],
     inputs: list,
     targets: list[torch.Tensor],
@@ -90,8 +92,9 @@ def autoround(
     grids: dict[str, QuantScheme],
 ) -> AutoRoundResult:
     """Learn ``V``, ``α``, ``β`` for ``weights`` (name → ``[out, in]``; not modified) so that ``forward(Q(weights),
-    inputs[i])`` matches ``targets[i]`` for every sample ``i``; ``grids``: each weight's integer grid. Parameters
-    take the weights' dtype (float32 at least); ``forward`` must be differentiable in the weights it is given."""
+    [inputs[i], ...])`` matches ``torch.cat([targets[i], ...])`` for every mini-batch of samples; ``grids``: each
+    weight's integer grid. Parameters take the weights' dtype (float32 at least); ``forward`` must be
+    differentiable in the weights it is given."""
     ws = {n: w.detach() if w.dtype == torch.float64 else w.detach().float() for n, w in weights.items()}
     params = {n: Params.start(w, grids[n]) for n, w in ws.items()}
     lr, minmax_lr = config.rates()
@@ -102,16 +105,13 @@ def autoround(
         current = {n: p.trainable(config.minmax_tuning) for n, p in params.items()}
         with torch.enable_grad():
             quantized = {n: qdq(ws[n], current[n], grids[n]) for n in ws}
-            leaves = {n: q.detach().requires_grad_() for n, q in quantized.items()}  # the block's graph per sample
+            leaves = {n: q.detach().requires_grad_() for n, q in quantized.items()}  # the block's graph, apart from qdq's
             picked = next(batches)
-            count = sum(targets[i].numel() for i in picked)
-            loss = 0.0
-            for i in picked:
-                out = forward(leaves, inputs[i])
-                dtype = torch.promote_types(targets[i].dtype, torch.float32)  # the error in float32 at least
-                sample = (out.to(dtype) - targets[i].to(dtype)).square().sum() / count
-                sample.backward()
-                loss += float(sample.detach())
+            target = torch.cat([targets[i] for i in picked])
+            dtype = torch.promote_types(target.dtype, torch.float32)  # the error in float32 at least
+            error = (forward(leaves, [inputs[i] for i in picked]).to(dtype) - target.to(dtype)).square().mean()
+            error.backward()
+            loss = float(error.detach())
             torch.autograd.backward(list(quantized.values()), [leaves[n].grad for n in quantized])
         losses.append(loss)
         if not config.best or loss < (losses[best_step] if best_step >= 0 else float("inf")):
@@ -132,5 +132,5 @@ def autoround_linear(weight: torch.Tensor, inputs: list[torch.Tensor], config: A
                      grid: QuantScheme) -> AutoRoundResult:
     """One linear layer ``y = x Wᵀ`` (``weight [out, in]``, each input ``[..., in]``), fitted to its float outputs."""
     targets = [x.to(weight.dtype) @ weight.detach().T for x in inputs]
-    return autoround(lambda ws, x: x.to(ws["weight"].dtype) @ ws["weight"].T, {"weight": weight}, inputs, targets,
-                     config, {"weight": grid})
+    return autoround(lambda ws, xs: torch.cat(xs).to(ws["weight"].dtype) @ ws["weight"].T, {"weight": weight}, inputs,
+                     targets, config, {"weight": grid})

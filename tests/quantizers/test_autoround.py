@@ -20,20 +20,26 @@ def _layer(seed: int, out: int = 8, width: int = 64, samples: int = 6, dtype=tor
     return w, xs
 
 
-def _textbook(w, xs, bits, sym, gs, iters, lr, best):
-    """AutoRound written out: float64, one group loop, the whole calibration set each step (one mean squared error),
-    SignSGD with linear decay, V clamped to ±0.5 and α, β to [0, 1]."""
+def _textbook(w, xs, bits, sym, gs, iters, lr, best, batch, seed=0):
+    """AutoRound written out: float64, one group loop, each step one mean squared error over a mini-batch of
+    ``batch`` samples (auto-round's IndexSampler: a seeded shuffled order, ``torch.randperm``, drawn in turn and
+    reshuffled when fewer than ``batch`` remain), SignSGD with linear decay, V clamped to ±0.5 and α, β to [0, 1]."""
     out, width = w.shape
     n = width // gs
     top = 2**bits - 1
-    x = torch.cat(xs).double()
-    y = x @ w.double().T
+    generator = torch.Generator().manual_seed(seed)
+    order, at = [], len(xs)
     v = torch.zeros(out, width, dtype=torch.float64)
     a = torch.ones(out, n, dtype=torch.float64)
     b = torch.ones(out, n, dtype=torch.float64)
     ste = lambda t: t + (torch.round(t) - t).detach()  # noqa: E731
     trail = []
     for t in range(iters):
+        if at + batch > len(xs):
+            order, at = torch.randperm(len(xs), generator=generator).tolist(), 0
+        x = torch.cat([xs[i] for i in order[at : at + batch]]).double()
+        at += batch
+        y = x @ w.double().T
         v.requires_grad_(), a.requires_grad_(), b.requires_grad_()
         cols = []
         for k in range(n):
@@ -62,11 +68,12 @@ def _textbook(w, xs, bits, sym, gs, iters, lr, best):
 
 @pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
 @pytest.mark.parametrize("best", [True, False], ids=["best", "last"])
-def test_matches_textbook_signsgd(sym, best):
+@pytest.mark.parametrize("batch", [6, 4], ids=["all", "mini"])  # 4 of 6: a reshuffle every step, the rest dropped
+def test_matches_textbook_signsgd(sym, best, batch):
     w, xs = _layer(1, dtype=torch.float64)
     iters, lr = 12, 0.04
-    trail, pick = _textbook(w, xs, 3, sym, 32, iters, lr, best)
-    config = AutoRoundConfig(iters=iters, lr=lr, batch_size=len(xs), best=best)
+    trail, pick = _textbook(w, xs, 3, sym, 32, iters, lr, best, batch, seed=3)
+    config = AutoRoundConfig(iters=iters, lr=lr, batch_size=batch, best=best, seed=3)
     result = autoround_linear(w, xs, config, QuantScheme(3, sym, 32))
     assert result.best_step == pick
     assert result.losses == pytest.approx([t[0] for t in trail], rel=1e-9)
@@ -117,8 +124,8 @@ def test_two_layers_learn_together():
     torch.manual_seed(5)
     w1, w2 = torch.randn(32, 64) * 0.05, torch.randn(16, 32) * 0.05
     xs = [torch.randn(4, 64) for _ in range(8)]
-    forward = lambda ws, x: torch.relu(x @ ws["a"].T) @ ws["b"].T  # noqa: E731
-    targets = [forward({"a": w1, "b": w2}, x) for x in xs]
+    forward = lambda ws, batch: torch.relu(torch.cat(batch) @ ws["a"].T) @ ws["b"].T  # noqa: E731
+    targets = [forward({"a": w1, "b": w2}, [x]) for x in xs]
     grids = {"a": QuantScheme(3, True, 32), "b": QuantScheme(3, True, 32)}
     result = autoround(forward, {"a": w1, "b": w2}, xs, targets, AutoRoundConfig(iters=25, batch_size=8), grids)
     assert result.losses[result.best_step] < 0.8 * result.losses[0]

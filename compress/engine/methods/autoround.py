@@ -5,7 +5,8 @@
 Inputs and targets, as auto-round takes them: the block's calibration windows as the compressed model feeds them
 (``enable_quanted_input``; else the uncompressed model's), fitted to the uncompressed block's outputs on the
 uncompressed model's inputs (`compress.engine.reference`, which `Method.block_inputs` asks the engine to carry).
-One window is one sample; ``batch_size`` windows make a step.
+One window is one sample; each step runs its ``batch_size`` windows through the block as one batch (`_joined`), as
+auto-round does.
 """
 
 from __future__ import annotations
@@ -52,6 +53,23 @@ def _windows(batches) -> list:
     return calls
 
 
+def _joined(values: list):
+    """One block call of the windows ``values`` (each `_windows`' cut of one window): the inverse of
+    `one_pass.windows_of`. A tensor of 2 or more dimensions with one window first (what `windows_of` cuts) is
+    concatenated along dim 0 unless every window holds the very same one (an argument its capture broadcasts over
+    the batch); any other value is shared by the windows, and the first window's is taken."""
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() < 2 or first.shape[0] != 1 or all(v is first for v in values):
+            return first
+        return torch.cat(values)
+    if isinstance(first, (tuple, list)):
+        return type(first)(_joined([v[i] for v in values]) for i in range(len(first)))
+    if isinstance(first, dict):
+        return {k: _joined([v[k] for v in values]) for k in first}
+    return first
+
+
 def _graph_ready(value):
     """``value`` with its inference-mode tensors copied (the engine's passes make them; autograd cannot save them)."""
     if isinstance(value, torch.Tensor):
@@ -92,12 +110,12 @@ class AutoRound(Method):
         targets = [call[0] for call in _windows([(y, (), {}) for y in replay.reference.outputs()])]
         fixed = {name: _graph_ready(p.detach()) for name, p in block.named_parameters()}
 
-        def forward(ws: dict[str, torch.Tensor], call) -> torch.Tensor:
+        def forward(ws: dict[str, torch.Tensor], calls: list) -> torch.Tensor:
             swapped = dict(fixed)
             for rel, w in ws.items():
                 stored = modules[rel].weight
                 swapped[f"{rel}.weight"] = (w.t() if is_conv1d(modules[rel]) else w).to(stored.dtype)
-            hidden, args, kwargs = _graph_ready(call)
+            hidden, args, kwargs = _graph_ready(_joined(calls) if len(calls) > 1 else calls[0])
             return block_output(functional_call(block, swapped, (hidden, *args), kwargs))
 
         result = autoround(forward, weights, inputs, targets, self.config.core(), grids)
