@@ -66,11 +66,13 @@ def test_the_online_rotation_is_compressed_tensors_transform(transform_type, wid
     with torch.no_grad():  # the stored matrix, as its loaders put it in place
         theirs.down_proj.R4_input.weight.copy_(stored)
     ours = _Mlp(width)
+    earlier = []  # a hook registered first (an activation quantizer's) still sees the rotated input: ours runs first
+    ours.down_proj.register_forward_pre_hook(lambda _m, args: earlier.append(args[0]))
     hooked = install_online_transforms(ours, {"quantization_config": with_transforms(None, r4_config(transform_type, head_dim))},
                                        lambda key: stored.float() if key == transform_key("down_proj", R4) else None)
     assert hooked == 1 and getattr(ours.down_proj, ONLINE_ATTR) is not None
     got, expected = _ct_input(ours, x), _ct_input(theirs, x)
-    assert torch.equal(got, expected)
+    assert torch.equal(got, expected) and torch.equal(earlier[0], expected)
     dense = torch.block_diag(*[stored / block ** 0.5] * (width // block))  # the textbook product
     assert torch.allclose(got.double(), x.double() @ dense, atol=1e-6)
 
