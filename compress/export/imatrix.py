@@ -48,20 +48,29 @@ def collect_imatrix(model, windows: torch.Tensor, process_output: bool = False,
     """Run ``windows`` ([samples, seq_len] token ids) through ``model``; pure apart from the hooks it removes."""
     entries: dict[str, ImatrixEntry] = {}
     hooks = []
+    last: list = [None, -1, None]  # the input the latest hook summed, its version and its sums
 
     n_expert = expert_count(model.config.to_dict())
 
+    def squares(inp: torch.Tensor) -> tuple[np.ndarray, int]:
+        """Column sums of ``inp``'s squares (float64) and its rows. Layers fed one tensor (q/k/v, gate/up) are hooked
+        one after the other: the sums are taken once for them (the same tensor, not modified in place since)."""
+        if last[0] is not inp or last[1] != inp._version:
+            x = inp.detach().reshape(-1, inp.shape[-1]).double()
+            last[:] = inp, inp._version, ((x * x).sum(dim=0).numpy(), x.shape[0])
+        return last[2]
+
     def hook(name, expert: int | None):
         def accumulate(_module, args):
-            x = args[0].detach().reshape(-1, args[0].shape[-1]).double()
+            sums, rows = squares(args[0])
             if expert is None:
-                entry = entries.setdefault(name, ImatrixEntry(np.zeros(x.shape[1])))
-                entry.in_sum2 += (x * x).sum(dim=0).numpy()
-                entry.count += x.shape[0]
+                entry = entries.setdefault(name, ImatrixEntry(np.zeros(sums.shape[0])))
+                entry.in_sum2 += sums
+                entry.count += rows
             else:  # created with all its rows when the hooks were set: every process holds it
                 entry = entries[name]
-                entry.in_sum2[expert] += (x * x).sum(dim=0).numpy()
-                entry.count[expert] += x.shape[0]
+                entry.in_sum2[expert] += sums
+                entry.count[expert] += rows
         return accumulate
 
     arch = ARCHITECTURES.get(model.config.model_type, "llama")
@@ -77,10 +86,14 @@ def collect_imatrix(model, windows: torch.Tensor, process_output: bool = False,
         if expert is not None and name not in entries:
             entries[name] = ImatrixEntry.experts(n_expert, module.in_features)  # experts are nn.Linear (UnfusedExperts)
         hooks.append(module.register_forward_pre_hook(hook(name, expert)))
+    # without the output layer's entry, the decoder alone: no hook reads the logits (SmolLM2's output layer, 49,152 wide,
+    # is a fifth of the forward's multiplications, and 8 x 512 tokens of them 0.8 GB) nor the KV cache
+    forward = model if process_output else model.base_model
     try:
-        with torch.inference_mode():
+        with torch.no_grad():  # not inference mode: its tensors keep no version counter (`squares`)
             for i in range(0, windows.shape[0], batch_size):
-                model(windows[i : i + batch_size])
+                forward(windows[i : i + batch_size], use_cache=False)
+                last[:] = None, -1, None
                 if progress:
                     progress(min(i + batch_size, windows.shape[0]), windows.shape[0])
     finally:

@@ -33,6 +33,25 @@ def test_first_block_entries_are_squared_normed_embeddings(tiny_llama):
     assert entries["blk.1.ffn_down.weight"].in_sum2.shape == (model.config.intermediate_size,)
 
 
+def test_the_output_layer_runs_only_for_its_entry(tiny_llama):
+    """Without ``process_output`` no entry reads the logits: the output layer is not run at all, and the blocks' entries
+    are those of the whole model's forward (summed here by a hook of the test's own)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (2, 16), generator=torch.Generator().manual_seed(3))
+    calls, inputs = [], []
+    model.lm_head.register_forward_pre_hook(lambda _m, args: calls.append(1))
+    model.model.layers[1].mlp.down_proj.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].double()))
+    entries = collect_imatrix(model, ids, batch_size=1)
+    assert not calls and "output.weight" not in entries
+    with torch.inference_mode():
+        model(ids)
+    x = inputs[-1].reshape(-1, model.config.intermediate_size)
+    np.testing.assert_allclose(entries["blk.1.ffn_down.weight"].in_sum2, (x * x).sum(0).numpy(), rtol=1e-6)
+    assert len(calls) == 1 and "output.weight" in collect_imatrix(model, ids, process_output=True)
+
+
 def test_gpt2_entries_under_its_gguf_names(tiny_tokenizer):
     """GPT-2's Conv1D layers are found under llama.cpp's gpt2 names; blk.0's attn_qkv reads LayerNorm(token +
     position embeddings), computed here by the textbook formula."""
