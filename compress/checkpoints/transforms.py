@@ -18,6 +18,7 @@ otherwise the exact name or a class name in the module's MRO.
 
 from __future__ import annotations
 
+import functools
 import re
 from typing import Any, Callable
 
@@ -146,6 +147,24 @@ def install_online_transforms(model: nn.Module, config: dict[str, Any], read: Ca
     return hooked
 
 
+@functools.cache
+def _kernel():
+    """`compress.kernels.triton_hadamard` where Triton is installed, else None."""
+    try:
+        from compress.kernels import triton_hadamard
+    except ImportError:
+        return None
+    return triton_hadamard
+
+
+def rotate_input(x: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+    """`online_rotation` of ``x`` by ``h``: on CUDA the Triton kernel where it takes the shapes, else torch."""
+    kernel = _kernel() if x.is_cuda else None
+    if kernel is not None and kernel.supported(x, h):
+        return kernel.online_rotation(x, h)
+    return online_rotation(x, h)
+
+
 def _hook(module: nn.Module, matrix: torch.Tensor) -> None:
     on_device: dict[torch.device, torch.Tensor] = {}
 
@@ -154,7 +173,7 @@ def _hook(module: nn.Module, matrix: torch.Tensor) -> None:
         h = on_device.get(x.device)
         if h is None:
             h = on_device[x.device] = matrix.to(x.device)
-        y = online_rotation(x, h)
+        y = rotate_input(x, h)
         return ((y, *args[1:]), kwargs) if args else (args, {**kwargs, "input": y})
 
     setattr(module, ONLINE_ATTR, matrix)

@@ -133,3 +133,18 @@ def test_the_autotuned_kernels_on_a_real_layer():
         x = random_weight((rows, 2048), seed=rows)
         want = (x.double() @ expected.double().t() + layer.bias.double()).float()
         torch.testing.assert_close(gpu(x.cuda()).cpu(), want, rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("n, b", [(1536, 512), (1536, 1536), (4096, 4096)])
+def test_the_online_rotation_kernel_on_the_gpu(n, b):
+    """`compress.checkpoints.transforms.rotate_input` on CUDA (the Triton kernel) against the torch reference on
+    the CPU: Sylvester blocks (SmolLM2's 1536 = 3 × 512), one Paley-Kronecker block, a power of two."""
+    from compress.checkpoints.transforms import rotate_input
+    from compress.quantizers.hadamard import random_hadamard, sylvester
+    from compress.quantizers.rotation import online_rotation
+
+    h = (sylvester(b) if b & (b - 1) == 0 else torch.sign(random_hadamard(b, 1))).float()
+    x = torch.randn(37, n, generator=torch.Generator().manual_seed(0))
+    for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -8)):
+        got = rotate_input(x.to(dtype).cuda(), h.cuda()).cpu()
+        assert torch.allclose(got.float(), online_rotation(x.to(dtype), h).float(), rtol=tolerance, atol=tolerance)
