@@ -25,6 +25,11 @@ fewer remain: auto-round's ``IndexSampler``), runs them through ``f`` as one bat
 the step's samples and returns their outputs concatenated along dim 0, the order of ``torch.cat`` of their
 targets), and keeps the parameters of the step with the lowest loss (``best``, auto-round's default; else the last
 step's). ``sign(0) = 0``: a parameter with no gradient stays.
+
+Start (``starts``, ours; auto-round starts at RTN): a weight ``W₀`` rounded in ``W``'s place on ``W``'s grid,
+``Q(W) = s · (clamp(⌊W₀/s + V⌉ + z, 0, M) − z)`` with ``s``, ``z`` as above. With ``W₀`` GPTQ's dequantized weight on
+that same grid (static groups of min-max scales: act-order GPTQ without a clipping search), ``V = 0, α = β = 1`` is
+GPTQ's rounding exactly: the steps start from GPTQ's codes instead of RTN's.
 """
 
 from __future__ import annotations
@@ -90,12 +95,15 @@ def autoround(
     targets: list[torch.Tensor],
     config: AutoRoundConfig,
     grids: dict[str, QuantScheme],
+    starts: dict[str, torch.Tensor] | None = None,
 ) -> AutoRoundResult:
     """Learn ``V``, ``α``, ``β`` for ``weights`` (name → ``[out, in]``; not modified) so that ``forward(Q(weights),
     [inputs[i], ...])`` matches ``torch.cat([targets[i], ...])`` for every mini-batch of samples; ``grids``: each
     weight's integer grid. Parameters take the weights' dtype (float32 at least); ``forward`` must be
-    differentiable in the weights it is given."""
+    differentiable in the weights it is given. ``starts``: the weights rounded in ``weights``' place, by name
+    (those not named: their own weight)."""
     ws = {n: w.detach() if w.dtype == torch.float64 else w.detach().float() for n, w in weights.items()}
+    w0 = {n: ((starts or {}).get(n, w)).detach().to(w.dtype) for n, w in ws.items()}
     params = {n: Params.start(w, grids[n]) for n, w in ws.items()}
     lr, minmax_lr = config.rates()
     losses: list[float] = []
@@ -104,7 +112,7 @@ def autoround(
     for step in range(config.iters):
         current = {n: p.trainable(config.minmax_tuning) for n, p in params.items()}
         with torch.enable_grad():
-            quantized = {n: qdq(ws[n], current[n], grids[n]) for n in ws}
+            quantized = {n: qdq(ws[n], current[n], grids[n], w0[n]) for n in ws}
             leaves = {n: q.detach().requires_grad_() for n, q in quantized.items()}  # the block's graph, apart from qdq's
             picked = next(batches)
             target = torch.cat([targets[i] for i in picked])
@@ -121,7 +129,7 @@ def autoround(
     layers = {}
     with torch.no_grad():
         for n, w in ws.items():
-            scale, zero, codes = codes_of(w, chosen[n], grids[n])
+            scale, zero, codes = codes_of(w, chosen[n], grids[n], w0[n])
             deq = grids[n].dequantize(codes, scale, zero)
             rel = float(torch.linalg.vector_norm(w.float() - deq) / torch.linalg.vector_norm(w.float()).clamp_min(1e-30))
             layers[n] = QuantResult(deq, codes, scale, zero, grids[n], stats={"weight_rel_error": rel})

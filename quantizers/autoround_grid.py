@@ -69,24 +69,28 @@ def _qparams(g: torch.Tensor, p: Params, grid: QuantScheme, ste: bool) -> tuple[
     return torch.where(scale > 0, scale, torch.ones_like(scale)), zero
 
 
-def qdq(w: torch.Tensor, p: Params, grid: QuantScheme) -> torch.Tensor:
-    """The dequantized weight ``Q(W)`` ``[out, in]``, differentiable in ``V``, ``α``, ``β`` (straight-through rounding)."""
+def qdq(w: torch.Tensor, p: Params, grid: QuantScheme, start: torch.Tensor | None = None) -> torch.Tensor:
+    """The dequantized weight ``Q(W)`` ``[out, in]``, differentiable in ``V``, ``α``, ``β`` (straight-through rounding);
+    ``start`` (``w``'s shape): the weight rounded on ``w``'s grid in ``w``'s place (GPTQ's start)."""
     g = _grouped(w, grid)
     scale, zero = _qparams(g, p, grid, ste=True)
     s, z = scale.unsqueeze(-1), zero.unsqueeze(-1)
-    r = round_ste(g / s + _grouped(p.v, grid))
+    r = round_ste(_grouped(w if start is None else start, grid) / s + _grouped(p.v, grid))
     if grid.symmetric:
         half = 1 << (grid.bits - 1)
         return (r.clamp(-half, grid.max_code - half) * s).reshape(w.shape)
     return (s * ((r + z).clamp(0, grid.max_code) - z)).reshape(w.shape)
 
 
-def codes_of(w: torch.Tensor, p: Params, grid: QuantScheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def codes_of(w: torch.Tensor, p: Params, grid: QuantScheme,
+             start: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Float32 scale and zero ``[out, n_groups]`` (`grid.qparams` of the clipped extremes) and int32 codes ``[out, in]``
-    (``clamp(round(w/s + V) + z, 0, M)``) of the chosen parameters: what `grid.dequantize` decodes to `qdq`'s weight."""
+    (``clamp(round(start/s + V) + z, 0, M)``, ``start`` default ``w``) of the chosen parameters: what
+    `grid.dequantize` decodes to `qdq`'s weight."""
     w32 = w.float()
     g = _grouped(w32, grid)
     extremes = (g.amin(dim=-1) * p.beta.float(), g.amax(dim=-1) * p.alpha.float())
     scale, zero = grid.qparams(w32, extremes=extremes)
-    q = torch.round(g / scale.unsqueeze(-1) + _grouped(p.v.float(), grid)).add_(zero.unsqueeze(-1))
+    rounded = g if start is None else _grouped(start.float(), grid)
+    q = torch.round(rounded / scale.unsqueeze(-1) + _grouped(p.v.float(), grid)).add_(zero.unsqueeze(-1))
     return scale, zero, q.clamp_(0, grid.max_code).to(torch.int32).reshape(w.shape)

@@ -136,3 +136,24 @@ def test_order_visits_every_sample_once_per_round():
     batches = _order(10, 3, seed=7)
     rounds = [sorted(sum((next(batches) for _ in range(3)), [])) for _ in range(4)]  # 9 of 10 per round, then reshuffle
     assert all(len(set(r)) == 9 and set(r) <= set(range(10)) for r in rounds)
+
+
+@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+def test_gptq_start_is_gptq_and_learns_from_it(sym):
+    """Started at act-order GPTQ's dequantized weight (static min-max groups: RTN's grid), no steps give GPTQ's codes,
+    scales and zeros exactly, and the kept step's loss is at most GPTQ's (on one layer GPTQ already minimizes it)."""
+    from compress.quantizers.gptq import GPTQConfig, gptq
+
+    w, xs = _layer(6, out=16, width=64, samples=8)
+    grid = QuantScheme(3, sym, 32)
+    x = torch.cat(xs)
+    want = gptq(w, 2 * x.T @ x / len(x), GPTQConfig(grid, act_order=True, mse=False))
+    start = {"weight": want.weight}
+    forward = lambda ws, batch: torch.cat(batch) @ ws["weight"].T  # noqa: E731
+    targets = [x @ w.T for x in xs]
+    got = autoround(forward, {"weight": w}, xs, targets, AutoRoundConfig(iters=0), {"weight": grid}, start).layers["weight"]
+    for field in ("codes", "scale", "zero", "weight"):
+        assert torch.equal(getattr(got, field), getattr(want, field)), field
+    learned = autoround(forward, {"weight": w}, xs, targets, AutoRoundConfig(iters=30, batch_size=8), {"weight": grid}, start)
+    assert learned.losses[0] == pytest.approx(float(((x @ want.weight.T - x @ w.T) ** 2).mean()), rel=1e-5)
+    assert learned.losses[learned.best_step] <= learned.losses[0] and len(set(learned.losses)) > 1  # the steps moved

@@ -6,11 +6,13 @@ Inputs and targets, as auto-round takes them: the block's calibration windows as
 (``enable_quanted_input``; else the uncompressed model's), fitted to the uncompressed block's outputs on the
 uncompressed model's inputs (`compress.engine.reference`, which `Method.block_inputs` asks the engine to carry).
 One window is one sample; each step runs its ``batch_size`` windows through the block as one batch (`_joined`), as
-auto-round does.
+auto-round does. ``init=gptq`` starts the rounding at GPTQ's (act order, min-max static groups: RTN's grid) on each
+layer's Hessian of the block's inputs, which the method then asks the engine for.
 """
 
 from __future__ import annotations
 
+import enum
 import time
 
 import torch
@@ -23,8 +25,15 @@ from compress.engine.methods.rtn import WeightQuantConfig, check_group_size
 from compress.engine.one_pass import windows_of
 from compress.engine.passes import block_output
 from compress.engine.registry import register_method
+from compress.engine.statistics import Stat
 from compress.errors import CompressError
 from compress.quantizers.autoround import AutoRoundConfig, autoround
+from compress.quantizers.gptq import GPTQConfig, gptq
+
+
+class Start(str, enum.Enum):
+    RTN = "rtn"
+    GPTQ = "gptq"
 
 
 class AutoRoundMethodConfig(WeightQuantConfig):
@@ -38,6 +47,9 @@ class AutoRoundMethodConfig(WeightQuantConfig):
     enable_quanted_input: bool = Field(True, description="fit each block on the compressed model's inputs (else the uncompressed model's)")
     not_use_best_mse: bool = Field(False, description="keep the last step's parameters instead of the lowest-loss step's")
     seed: int = Field(0, description="order of the calibration windows over the steps")
+    init: Start = Field(Start.RTN, description="rounding the steps start from: rtn (auto-round's) or gptq (act-order GPTQ "
+                                               "on RTN's grid, from each layer's Hessian)")
+    damp: float = Field(0.01, gt=0, description="with init=gptq: GPTQ's damping, λ = damp · mean(diag H)")
 
     def core(self) -> AutoRoundConfig:
         return AutoRoundConfig(self.iters, self.lr, self.minmax_lr, self.batch_size, self.enable_minmax_tuning,
@@ -91,6 +103,21 @@ class AutoRound(Method):
     def block_inputs(self) -> bool:
         return True
 
+    @property
+    def needs(self) -> frozenset[Stat]:
+        return frozenset({Stat.HESSIAN}) if self.config.init is Start.GPTQ else frozenset()
+
+    def _gptq_starts(self, selected: dict[str, str], weights: dict, grids: dict, stats) -> dict[str, torch.Tensor]:
+        """Each layer's act-order GPTQ weight on RTN's grid (relative name -> dequantized ``[out, in]``)."""
+        starts = {}
+        for rel, full in selected.items():
+            config = GPTQConfig(grids[rel], damp=self.config.damp, act_order=True, mse=False)
+            try:
+                starts[rel] = gptq(weights[rel], stats[full][Stat.HESSIAN], config).weight
+            except ValueError as exc:
+                raise CompressError(f"autoround's GPTQ start failed on {full}: {exc}") from None
+        return starts
+
     def check_layer(self, name: str, out_features: int, in_features: int) -> None:
         check_group_size(name, in_features, self.config.group_size)
 
@@ -118,7 +145,8 @@ class AutoRound(Method):
             hidden, args, kwargs = _graph_ready(_joined(calls) if len(calls) > 1 else calls[0])
             return block_output(functional_call(block, swapped, (hidden, *args), kwargs))
 
-        result = autoround(forward, weights, inputs, targets, self.config.core(), grids)
+        starts = self._gptq_starts(selected, weights, grids, stats) if self.config.init is Start.GPTQ else None
+        result = autoround(forward, weights, inputs, targets, self.config.core(), grids, starts)
         reports = []
         with torch.no_grad():
             for rel, full in selected.items():

@@ -121,3 +121,21 @@ def test_a_step_joins_its_windows_as_the_capture_held_them():
     assert args == () and kwargs["mask"] is None and torch.equal(kwargs["cache_position"], torch.arange(5))
     same = _joined([calls[0], calls[2]])[2]["cos"]  # windows of one capture share its broadcast argument
     assert same is batches[0][2]["cos"]
+
+
+def test_gptq_start_without_steps_writes_gptq(tmp_path, tiny_llama):
+    """``init=gptq`` with no steps is act-order GPTQ on min-max static groups, the Hessians of one pass per block."""
+    grid = ["--bits", "3", "--group-size", "32", *CALIB]
+    gptq = invoke("quantize", tiny_llama, "-o", tmp_path / "gptq", *grid, "--method", "gptq", "-O", "act_order=true",
+                  "-O", "mse=false", "-O", "true_sequential=false")
+    ar = invoke("quantize", tiny_llama, "-o", tmp_path / "ar", *grid, "--method", "autoround", "-O", "init=gptq",
+                "-O", "iters=0")
+    assert gptq.exit_code == 0 and ar.exit_code == 0, ar.output
+    want, got = checkpoint_tensors(tmp_path / "gptq"), checkpoint_tensors(tmp_path / "ar")
+    assert want.keys() == got.keys()
+    assert [k for k in want if not torch.equal(want[k], got[k])] == []
+    few = invoke("quantize", tiny_llama, "-o", tmp_path / "few", *grid, "--method", "autoround", "-O", "init=gptq",
+                 "-O", "iters=3")
+    assert few.exit_code == 0, few.output
+    rows = json.loads((tmp_path / "few" / "compression_report.json").read_text())["layers"]
+    assert all(r["info"]["loss_best"] <= r["info"]["loss_first"] for r in rows)
