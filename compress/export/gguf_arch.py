@@ -14,6 +14,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from compress.checkpoints.transforms import transform_config
 from compress.errors import CompressError
 
 # HF model_type -> GGUF arch
@@ -71,7 +72,7 @@ def read_config(model: Path) -> dict:
         key, supported = ACTIVATIONS[kind]
         if config.get(key, supported[0]) not in supported:
             raise CompressError(f"{model}: llama.cpp's {ARCHITECTURES[kind]} computes {supported[0]}, not this model's {key} {config[key]!r}: it cannot be exported")
-    if (config.get("quantization_config") or {}).get("transform_config", {}).get("config_groups"):
+    if transform_config(config) is not None:
         raise CompressError(f"{model} records online rotations (transform_config), which GGUF cannot hold and llama.cpp does not "
                             "apply: export a checkpoint rotated without --rotate-online")
     if config.get("quantization_config"):
