@@ -1,0 +1,137 @@
+"""Our AutoRound beside Intel's auto-round 0.16.1 on one model and the same calibration windows.
+
+    python bench/autoround_quality.py [--model /tmp/smollm2] [--blocks N] [--bits 4 3 2] [--group-size 64]
+                                      [--iters 200] [--batch-size 8] [--calib FILE --samples 32 --seq-len 512]
+                                      [--text FILE --max-tokens 4096] [--threads 2] [--amp | --no-amp]
+                                      [--set KEY=VALUE ...]
+
+For each bit width, symmetric integer weights in groups of ``--group-size``: our ``compress quantize --method
+autoround -O iters=N -O batch_size=B`` and auto-round (``AutoRound(..., iters=N, batch_size=B)`` then
+``quantize_and_save(format="llm_compressor")``, bench/anchors/autoround_run.py, in its own virtual environment
+built on first use by bench/anchors/autoround_venv.py). Each tool runs as a whole process from its start to its
+exit, one after the other, with ``OMP_NUM_THREADS=--threads``; wall time and that process's peak RSS (`os.wait4`).
+Both calibrate on the very same windows: ours reads ``--calib`` (`load_calibration`), and those windows' token ids
+are handed to auto-round as its dataset, one ``[1, seq_len]`` tensor each (auto-round masks each window's last
+position out of its attention and its loss; see the anchor's docstring). Both outputs are compressed-tensors
+checkpoints, scored by our evaluator on ``--text`` (`evaluate_checkpoint`: mean KLD against the model and
+perplexity). ``--amp`` (auto-round's default on a CPU): auto-round tunes in bfloat16; ``--no-amp``: in float32,
+as ours does on a float32 model. ``--blocks N`` runs both on a copy of the model truncated to its first N
+blocks. Prints one row per tool and bit width, and ours / auto-round ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench" / "anchors"))
+from autoround_venv import DEFAULT_VENV, build_venv  # noqa: E402
+
+
+def timed(command: list[str], log: Path, threads: int) -> tuple[float, float]:
+    """Wall seconds and peak RSS in GB of ``command`` as one whole process (its output to ``log``); fails loudly."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    if hasattr(os, "sync"):
+        os.sync()  # each tool starts without the other's pages to write back
+    start = time.perf_counter()
+    with log.open("w") as sink:
+        process = subprocess.Popen(command, env=env, stdout=sink, stderr=subprocess.STDOUT, cwd=log.parent)
+        _, status, usage = os.wait4(process.pid, 0)  # its own resource usage
+    seconds = time.perf_counter() - start
+    code = os.waitstatus_to_exitcode(status)
+    if code:
+        tail = "\n".join(log.read_text(errors="replace").splitlines()[-20:])
+        raise SystemExit(f"{command[0]} failed (exit {code}):\n{tail}")
+    return seconds, usage.ru_maxrss / 1e6  # Linux: KiB
+
+
+def ours(args, model: Path, bits: int, out: Path) -> tuple[float, float]:
+    compress = Path(sys.executable).with_name("compress")
+    command = [str(compress), "quantize", str(model), "-o", str(out), "--bits", str(bits), "--group-size",
+               str(args.group_size), "--method", "autoround", "--calib", str(args.calib), "--samples", str(args.samples),
+               "--seq-len", str(args.seq_len), "--compute-dtype", args.compute_dtype, "-O", f"iters={args.iters}",
+               "-O", f"batch_size={args.batch_size}"]
+    for item in args.set:
+        command += ["-O", item]
+    return timed(command, out.with_name(out.name + ".log"), args.threads)
+
+
+def anchor(args, model: Path, bits: int, windows: Path, out: Path) -> tuple[float, float, Path]:
+    python = args.venv / "bin" / "python"
+    command = [str(python), str(REPO / "bench/anchors/autoround_run.py"), str(model), str(out), str(windows),
+               str(bits), str(args.group_size), str(args.iters), str(args.batch_size), str(int(args.amp))]
+    seconds, rss = timed(command, out.with_name(out.name + ".log"), args.threads)
+    written = next(p.parent for p in sorted(out.rglob("config.json")))  # auto-round writes OUT/<model>-w<bits>g<group>/
+    return seconds, rss, written
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=Path("/tmp/smollm2"))
+    ap.add_argument("--blocks", type=int, help="run both tools on a copy truncated to the first N blocks")
+    ap.add_argument("--bits", type=int, nargs="+", default=[4, 3, 2])
+    ap.add_argument("--group-size", type=int, default=64)
+    ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--batch-size", type=int, default=8, help="calibration windows per step (both tools)")
+    ap.add_argument("--calib", type=Path, default=REPO / "eval/assets/shakespeare-calib-slice.txt")
+    ap.add_argument("--samples", type=int, default=32)
+    ap.add_argument("--seq-len", type=int, default=512)
+    ap.add_argument("--text", type=Path, default=REPO / "eval/assets/shakespeare-test-slice.txt")
+    ap.add_argument("--max-tokens", type=int, default=4096)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--compute-dtype", default="auto", help="our block forwards' dtype (`compress quantize --compute-dtype`)")
+    ap.add_argument("--amp", action=argparse.BooleanOptionalAction, default=True,
+                    help="auto-round tunes in bfloat16 (its default on a CPU); --no-amp: in float32")
+    ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another setting of our method")
+    args = ap.parse_args()
+
+    import compress  # noqa: F401  (before anything that imports `kernels`: the repository's folder shadows HF's)
+    from compress.checkpoints.calibration import load_calibration
+    from compress.checkpoints.loading import load_tokenizer
+    from compress.eval.checkpoint import evaluate_checkpoint
+
+    print(build_venv(args.venv), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        model = args.model
+        if args.blocks:
+            sys.path.append(str(REPO / "tests"))
+            from conftest import truncate_checkpoint
+
+            model = truncate_checkpoint(model, scratch / f"{model.name}-{args.blocks}-blocks", args.blocks)
+        windows = load_calibration(args.calib, load_tokenizer(model), args.samples, args.seq_len)
+        tokens = scratch / "windows.json"
+        tokens.write_text(json.dumps(windows.tolist()))
+        print(f"model {model.name}, int sym g{args.group_size}, {args.iters} iters, batch {args.batch_size}, "
+              f"calibration {windows.shape[0]} x {windows.shape[1]}, {args.threads} threads, "
+              f"auto-round {'bfloat16 (amp)' if args.amp else 'float32'}\n", flush=True)
+        print("| bits | tool | wall s | x auto-round | peak RSS GB | KLD | ppl |\n|---:|---|---:|---:|---:|---:|---:|", flush=True)
+        ratios = []
+        for bits in args.bits:
+            mine = scratch / f"ours-w{bits}"
+            wall_ours, rss_ours = ours(args, model, bits, mine)
+            wall_ar, rss_ar, theirs = anchor(args, model, bits, tokens, scratch / f"autoround-w{bits}")
+            scores = {}
+            for key, path in (("ours", mine), ("auto-round", theirs)):
+                scores[key] = evaluate_checkpoint(path, args.text, reference_path=model, max_tokens=args.max_tokens)
+            for key, wall, rss in (("ours", wall_ours, rss_ours), ("auto-round 0.16.1", wall_ar, rss_ar)):
+                score = scores["ours" if key == "ours" else "auto-round"]
+                print(f"| {bits} | {key} | {wall:.1f} | {wall / wall_ar:.2f} | {rss:.2f} | {score.kld:.5f} | "
+                      f"{score.perplexity:.3f} |", flush=True)
+            ratios.append((bits, wall_ours / wall_ar, rss_ours / rss_ar, scores["ours"].kld / scores["auto-round"].kld))
+            shutil.rmtree(mine, ignore_errors=True)
+            shutil.rmtree(theirs.parent, ignore_errors=True)
+        print("\nours / auto-round: " + "; ".join(f"w{b}: wall {w:.2f}, RSS {r:.2f}, KLD {k:.2f}" for b, w, r, k in ratios))
+
+
+if __name__ == "__main__":
+    main()
