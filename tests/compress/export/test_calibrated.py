@@ -33,13 +33,21 @@ def q3k_files(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def scorer():
-    """KLD / perplexity of a GGUF file, loaded by transformers, against the reference model."""
+    """KLD / perplexity of a GGUF file, loaded by transformers, against the reference model; each file scored once
+    in the module (q3k_files' are read by several tests, and a written file does not change)."""
     from transformers import AutoModelForCausalLM
     from tokenizers import Tokenizer
 
     ids = Tokenizer.from_file(str(REFERENCE_MODEL / "tokenizer.json")).encode(EVAL_TEXT.read_text(encoding="utf-8")).ids[:4096]
     reference = AutoModelForCausalLM.from_pretrained(REFERENCE_MODEL, dtype=torch.float32).eval()
-    return lambda path: evaluate(transformers_model(path), torch.tensor(ids), reference=reference, ctx=512)
+    scores = {}
+
+    def score(path):
+        if path not in scores:
+            scores[path] = evaluate(transformers_model(path), torch.tensor(ids), reference=reference, ctx=512)
+        return scores[path]
+
+    return score
 
 
 def tensors(path) -> dict[str, np.ndarray]:
