@@ -7,16 +7,20 @@
 
 For each bit width, symmetric integer weights in groups of ``--group-size``: our ``compress quantize --method
 autoround -O iters=N -O batch_size=B`` and auto-round (``AutoRound(..., iters=N, batch_size=B)`` then
-``quantize_and_save(format="llm_compressor")``, bench/anchors/autoround_run.py, in its own virtual environment
-built on first use by bench/anchors/autoround_venv.py). Each tool runs as a whole process from its start to its
-exit, one after the other, with ``OMP_NUM_THREADS=--threads``; wall time and that process's peak RSS (`os.wait4`).
-Both calibrate on the very same windows: ours reads ``--calib`` (`load_calibration`), and those windows' token ids
-are handed to auto-round as its dataset, one ``[1, seq_len]`` tensor each (auto-round masks each window's last
-position out of its attention and its loss; see the anchor's docstring). Both outputs are compressed-tensors
-checkpoints, scored by our evaluator on ``--text`` (`evaluate_checkpoint`: mean KLD against the model and
-perplexity). ``--amp`` (auto-round's default on a CPU): auto-round tunes in bfloat16; ``--no-amp``: in float32,
-as ours does on a float32 model. ``--blocks N`` runs both on a copy of the model truncated to its first N
-blocks. Prints one row per tool and bit width, and ours / auto-round ratios.
+``quantize_and_save(format="llm_compressor")``, bench/anchors/autoround_run.py, in its own virtual environment built
+on first use by bench/anchors/autoround_venv.py). Each tool runs as a whole process from its start to its exit, one
+after the other, with ``OMP_NUM_THREADS=--threads``; wall time and that process's peak RSS (`os.wait4`). Both
+calibrate on the very same windows: ours reads ``--calib`` (`load_calibration`), and those windows' token ids are
+handed to auto-round as its dataset, one ``[1, seq_len]`` tensor each (auto-round masks each window's last position
+out of its attention and its loss; see the anchor's docstring). Both outputs are compressed-tensors checkpoints,
+scored by our evaluator on ``--text`` (``compress eval ppl --reference MODEL --json``: mean KLD against the model and
+perplexity). This process imports neither torch nor ours (the truncated copy and the windows come from a child,
+``--prepare``): a child's peak RSS counts its parent's at the fork, which Linux keeps across exec. ``--amp``
+(auto-round's default on a CPU): auto-round tunes in bfloat16; ``--no-amp``: in float32, as ours does on a float32
+model. auto-round compiles its block forward with ``torch.compile`` from 10 iters on (its default), and inductor's
+cache (``/tmp/torchinductor_$USER``) makes its later runs start faster than its first: clear it, or run once before
+timing. ``--blocks N`` runs both on a copy of the model truncated to its first N blocks. Prints one row per tool and
+bit width, and ours / auto-round ratios.
 """
 
 from __future__ import annotations
@@ -73,6 +77,33 @@ def anchor(args, model: Path, bits: int, windows: Path, out: Path) -> tuple[floa
     return seconds, rss, written
 
 
+def prepare(spec: dict) -> None:
+    """The ``--prepare`` child: the model (truncated to ``blocks`` where given) and the calibration windows' token
+    ids, written to ``spec["windows"]``; prints the model's path."""
+    import compress  # noqa: F401  (before anything that imports `kernels`: the repository's folder shadows HF's)
+    from compress.checkpoints.calibration import load_calibration
+    from compress.checkpoints.loading import load_tokenizer
+
+    model = Path(spec["model"])
+    if spec["blocks"]:
+        sys.path.append(str(REPO / "tests"))
+        from conftest import truncate_checkpoint
+
+        model = truncate_checkpoint(model, Path(spec["scratch"]) / f"{model.name}-{spec['blocks']}-blocks", spec["blocks"])
+    windows = load_calibration(Path(spec["calib"]), load_tokenizer(model), spec["samples"], spec["seq_len"])
+    Path(spec["windows"]).write_text(json.dumps(windows.tolist()))
+    print(model)
+
+
+def score(args, path: Path, model: Path) -> dict:
+    """Our evaluator's figures of ``path`` against ``model``, in a process of its own."""
+    compress = Path(sys.executable).with_name("compress")
+    command = [str(compress), "eval", "ppl", str(path), "--text", str(args.text), "--reference", str(model),
+               "--max-tokens", str(args.max_tokens), "--json"]
+    proc = subprocess.run(command, capture_output=True, text=True, cwd=path.parent, check=True)
+    return json.loads(proc.stdout)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=Path("/tmp/smollm2"))
@@ -92,27 +123,23 @@ def main() -> None:
                     help="auto-round tunes in bfloat16 (its default on a CPU); --no-amp: in float32")
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another setting of our method")
+    ap.add_argument("--prepare", help=argparse.SUPPRESS)  # `prepare` in its own process
     args = ap.parse_args()
-
-    import compress  # noqa: F401  (before anything that imports `kernels`: the repository's folder shadows HF's)
-    from compress.checkpoints.calibration import load_calibration
-    from compress.checkpoints.loading import load_tokenizer
-    from compress.eval.checkpoint import evaluate_checkpoint
+    if args.prepare:
+        return prepare(json.loads(args.prepare))
 
     print(build_venv(args.venv), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         scratch = Path(tmp)
-        model = args.model
-        if args.blocks:
-            sys.path.append(str(REPO / "tests"))
-            from conftest import truncate_checkpoint
-
-            model = truncate_checkpoint(model, scratch / f"{model.name}-{args.blocks}-blocks", args.blocks)
-        windows = load_calibration(args.calib, load_tokenizer(model), args.samples, args.seq_len)
         tokens = scratch / "windows.json"
-        tokens.write_text(json.dumps(windows.tolist()))
+        spec = {"model": str(args.model), "blocks": args.blocks, "scratch": str(scratch), "calib": str(args.calib),
+                "samples": args.samples, "seq_len": args.seq_len, "windows": str(tokens)}
+        proc = subprocess.run([sys.executable, __file__, "--prepare", json.dumps(spec)], capture_output=True, text=True,
+                              cwd=scratch, check=True)
+        model = Path(proc.stdout.strip().splitlines()[-1])
+        windows = json.loads(tokens.read_text())
         print(f"model {model.name}, int sym g{args.group_size}, {args.iters} iters, batch {args.batch_size}, "
-              f"calibration {windows.shape[0]} x {windows.shape[1]}, {args.threads} threads, "
+              f"calibration {len(windows)} x {len(windows[0])}, {args.threads} threads, "
               f"auto-round {'bfloat16 (amp)' if args.amp else 'float32'}\n", flush=True)
         print("| bits | tool | wall s | x auto-round | peak RSS GB | KLD | ppl |\n|---:|---|---:|---:|---:|---:|---:|", flush=True)
         ratios = []
@@ -120,14 +147,12 @@ def main() -> None:
             mine = scratch / f"ours-w{bits}"
             wall_ours, rss_ours = ours(args, model, bits, mine)
             wall_ar, rss_ar, theirs = anchor(args, model, bits, tokens, scratch / f"autoround-w{bits}")
-            scores = {}
-            for key, path in (("ours", mine), ("auto-round", theirs)):
-                scores[key] = evaluate_checkpoint(path, args.text, reference_path=model, max_tokens=args.max_tokens)
-            for key, wall, rss in (("ours", wall_ours, rss_ours), ("auto-round 0.16.1", wall_ar, rss_ar)):
-                score = scores["ours" if key == "ours" else "auto-round"]
-                print(f"| {bits} | {key} | {wall:.1f} | {wall / wall_ar:.2f} | {rss:.2f} | {score.kld:.5f} | "
-                      f"{score.perplexity:.3f} |", flush=True)
-            ratios.append((bits, wall_ours / wall_ar, rss_ours / rss_ar, scores["ours"].kld / scores["auto-round"].kld))
+            scores = {"ours": score(args, mine, model), "auto-round": score(args, theirs, model)}
+            for key, name, wall, rss in (("ours", "ours", wall_ours, rss_ours),
+                                         ("auto-round", "auto-round 0.16.1", wall_ar, rss_ar)):
+                print(f"| {bits} | {name} | {wall:.1f} | {wall / wall_ar:.2f} | {rss:.2f} | {scores[key]['kld']:.5f} | "
+                      f"{scores[key]['perplexity']:.3f} |", flush=True)
+            ratios.append((bits, wall_ours / wall_ar, rss_ours / rss_ar, scores["ours"]["kld"] / scores["auto-round"]["kld"]))
             shutil.rmtree(mine, ignore_errors=True)
             shutil.rmtree(theirs.parent, ignore_errors=True)
         print("\nours / auto-round: " + "; ".join(f"w{b}: wall {w:.2f}, RSS {r:.2f}, KLD {k:.2f}" for b, w, r, k in ratios))
