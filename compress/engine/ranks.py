@@ -122,15 +122,20 @@ class Ranks:
 
             dist.barrier()
 
-    def strided_rows(self, rows: torch.Tensor, count: int) -> torch.Tensor:
-        """``count`` evenly strided rows of the ranks' ``rows`` concatenated in rank order, the same rows one
-        process would pick from all of them (``x[::max(1, n // count)][:count]``); only the picked rows travel."""
-        counts = [int(c) for c in self.gather(rows.shape[0])]
+    def strided_picks(self, local: int, count: int) -> torch.Tensor:
+        """Of ``local`` items here (the ranks' items concatenated in rank order), the indices of those on the
+        global stride one process would pick from all of them (``items[::max(1, n // count)][:count]``)."""
+        counts = [int(c) for c in self.gather(local)]
         total, offset = sum(counts), sum(counts[: self.rank])
         stride = max(1, total // count)
-        first = (-offset) % stride  # the first local row on the global stride
-        picked = torch.arange(first, rows.shape[0], stride)
-        picked = picked[(offset + picked) // stride < count]
+        first = (-offset) % stride  # the first local item on the global stride
+        picked = torch.arange(first, local, stride)
+        return picked[(offset + picked) // stride < count]
+
+    def strided_rows(self, rows: torch.Tensor, count: int) -> torch.Tensor:
+        """``count`` evenly strided rows of the ranks' ``rows`` concatenated in rank order, the same rows one
+        process would pick from all of them; only the picked rows travel."""
+        picked = self.strided_picks(rows.shape[0], count)
         return torch.cat([part.to(rows.device) for part in self.gather(rows[picked])])
 
     def assign(self, costs: dict[str, float]) -> dict[str, int]:

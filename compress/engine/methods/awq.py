@@ -17,6 +17,8 @@ from pydantic import Field, model_validator
 from compress.checkpoints.architecture import block_map, resolve_groups
 from compress.engine.methods.base import LayerOutcome, LayerReport, Method
 from compress.engine.methods.rtn import GridQuantConfig, InputQuantization
+from compress.engine.one_pass import windows_of
+from compress.engine.passes import split_hidden
 from compress.checkpoints.model_io import get_weight, set_weight
 from compress.quantizers.awq import AWQConfig, search_clip, search_scales
 from compress.quantizers.rtn import rtn
@@ -31,6 +33,9 @@ class AWQMethodConfig(GridQuantConfig):
     clip_grid: int = Field(20, ge=1, description="shrink steps of the clipping search")
     max_shrink: float = Field(0.5, ge=0, lt=1, description="narrowest range tried: 1 - max_shrink of min-max")
     clip_tokens: int = Field(512, ge=1, description="tokens sampled for the clipping search")
+    search_tokens: int = Field(
+        4096, ge=0, description="tokens (whole windows, evenly strided) each scale candidate runs its sub-block on; 0: all"
+    )
 
     @model_validator(mode="after")
     def _clip_per_row(self):
@@ -88,6 +93,31 @@ def _scaled_inputs(stats: dict, divisor: torch.Tensor | None) -> dict:
         return stats
     absmax = stats[Stat.INPUT_ABSMAX]
     return {**stats, Stat.INPUT_ABSMAX: absmax / divisor.to(absmax.device, absmax.dtype)}
+
+
+def _search_windows(calls, tokens: int, ranks) -> list:
+    """The recorded sub-block calls cut to whole windows (a call's first dimension; routed expert tokens: rows) on a
+    global stride, about ``tokens`` tokens over every rank's calls: what each scale candidate is run on. Why: a
+    candidate costs one forward of the sub-block over the windows it sees, 20 candidates a group, and the loss's
+    choice of α is settled by far fewer tokens than a calibration set holds (docs/results.md, AWQ's search tokens)."""
+    if tokens <= 0 or not calls:
+        return calls
+    hidden = [split_hidden(args, kwargs)[0] for args, kwargs, _ in calls]
+    units = [h.shape[0] for h in hidden]
+    per_unit = max(1, hidden[0].numel() // hidden[0].shape[-1] // max(1, units[0]))
+    picked = ranks.strided_picks(sum(units), -(-tokens // per_unit)).tolist()
+    if len(picked) == sum(units):
+        return calls
+    out, start = [], 0
+    for (args, kwargs, reference), count in zip(calls, units):
+        rows = [i - start for i in picked if start <= i < start + count]
+        start += count
+        if len(rows) == count:
+            out.append((args, kwargs, reference))
+        elif rows:
+            part = torch.tensor(rows)
+            out.append((windows_of(args, count, part), windows_of(kwargs, count, part), windows_of(reference, count, part)))
+    return out
 
 
 def _sample_tokens(calls, count: int, ranks) -> torch.Tensor:
@@ -170,6 +200,8 @@ class AWQ(InputQuantization, Method):
             group, layers = resolved.group, resolved.layers
             x_mean = next(stats[selected[n]][Stat.INPUT_ABSMEAN] for n in group.layers if n in selected)
             calls = recorder.calls.pop(group.label)
+            if group.inspect:
+                calls = _search_windows(calls, self.config.search_tokens, replay.ranks)
             originals = [get_weight(m).detach().clone() for m in layers]
             if group.inspect:
                 inspect = inspected[group.label]

@@ -23,7 +23,8 @@ CASES = {
     "gptq+kv-int8": ["quantize", "--method", "gptq", "--kv-cache", "int8", *CALIB],
     # static input scales: learned state of layers solved whole on the other rank, in one process's order
     "gptq-w8a8-static": ["quantize", "--method", "gptq", "--bits", "8", "--group-size", "-1", "-O", "activations=int8-tensor", *CALIB],
-    "awq": ["quantize", "--method", "awq", *CALIB],
+    # the scale search on 2 of the 6 windows (one per rank): the windows one process picks
+    "awq": ["quantize", "--method", "awq", "-O", "search_tokens=192", *CALIB],
     "smoothquant": ["quantize", "--method", "smoothquant", *CALIB],
     "sparsegpt": ["prune", "--method", "sparsegpt", "--sparsity", "0.5", *CALIB],
     "sparsegpt-2:4-w4": ["prune", "--method", "sparsegpt", "--pattern", "2:4", "-O", "bits=4", *CALIB],  # rows split
