@@ -200,10 +200,9 @@ class AWQ(InputQuantization, Method):
             group, layers = resolved.group, resolved.layers
             x_mean = next(stats[selected[n]][Stat.INPUT_ABSMEAN] for n in group.layers if n in selected)
             calls = recorder.calls.pop(group.label)
-            if group.inspect:
-                calls = _search_windows(calls, self.config.search_tokens, replay.ranks)
             originals = [get_weight(m).detach().clone() for m in layers]
             if group.inspect:
+                calls = _search_windows(calls, self.config.search_tokens, replay.ranks)
                 inspect = inspected[group.label]
 
                 def run(args, kwargs, inspect=inspect):
