@@ -88,7 +88,7 @@ def sparsegpt(weight: torch.Tensor, hessian: torch.Tensor, config: SparseGPTConf
     if scheme is not None:
         n_groups, width = scheme.groups(in_features), scheme.group_width(in_features)
         scale_t, zero_t = W.new_empty(n_groups, out_features), W.new_empty(n_groups, out_features)  # a group's row contiguous
-        column = QuantScheme(scheme.bits, scheme.symmetric, -1)
+        column = scheme.per_column()
     else:  # no grid: the loop's scale and zero only say how many rows there are
         width, column = in_features, None
         scale_t = zero_t = W.new_zeros(1, out_features)

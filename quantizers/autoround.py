@@ -10,7 +10,8 @@ asymmetric grid of ``M = 2**bits − 1`` codes
     Q(W) = s · (clamp(⌊W/s + V⌉ + z, 0, M) − z)
 
 and on a symmetric one ``s = max(α·max(w, 0), −β·min(w, 0)) / (M/2)``, ``Q(W) = s · clamp(⌊W/s + V⌉, −2**(b−1),
-2**(b−1) − 1)`` (`compress.quantizers.grid`'s grids: at ``V = 0, α = β = 1`` both are RTN's). Rounding passes
+2**(b−1) − 1)``, with ``s`` signed and divided by ``2**(b−1)`` on a full-range one (auto-round's ``int_sym``)
+(`compress.quantizers.grid`'s grids: at ``V = 0, α = β = 1`` each is RTN's). Rounding passes
 gradients straight through. Objective, over the calibration samples ``x`` of a step:
 
     min_{V, α, β}  mean ‖f(Q(W); x) − y‖²

@@ -59,14 +59,17 @@ def _qparams(g: torch.Tensor, p: Params, grid: QuantScheme, ste: bool) -> tuple[
     low, high = g.amin(dim=-1) * p.beta, g.amax(dim=-1) * p.alpha
     top = torch.tensor(float(grid.max_code), dtype=g.dtype, device=g.device)
     if grid.symmetric:
-        scale = torch.maximum(-low, high).abs() / (top / 2)
-        zero = torch.full_like(scale, float(1 << (grid.bits - 1))).detach()
+        half = 1 << (grid.bits - 1)
+        scale = torch.maximum(-low, high).abs() / (half if grid.full_range else top / 2)
+        if grid.full_range:  # signed: the larger clipped extreme onto code −half (auto-round's int_sym)
+            scale = torch.where(high >= -low, -scale, scale)
+        zero = torch.full_like(scale, float(half)).detach()
     else:
         lo, hi = low.clamp(max=0), high.clamp(min=0)
         scale = (hi - lo) / top
         rounded = round_ste if ste else torch.round
         zero = rounded(-lo / torch.where(scale > 0, scale, 1.0)).clamp(0, grid.max_code)
-    return torch.where(scale > 0, scale, torch.ones_like(scale)), zero
+    return torch.where(scale != 0, scale, torch.ones_like(scale)), zero
 
 
 def qdq(w: torch.Tensor, p: Params, grid: QuantScheme, start: torch.Tensor | None = None) -> torch.Tensor:

@@ -22,15 +22,16 @@ from compress.run.runner import run_recipe
 
 pytest.importorskip("compressed_tensors")
 
-CASES = {  # name: (bits, symmetric, group_size)
-    "w4-sym-g128": (4, True, 128),
-    "w4-asym-g128": (4, False, 128),
-    "w8-sym-channel": (8, True, -1),
+CASES = {  # name: (bits, symmetric, group_size, full_range)
+    "w4-sym-g128": (4, True, 128, False),
+    "w4-asym-g128": (4, False, 128, False),
+    "w8-sym-channel": (8, True, -1, False),
+    "w3-sym-full-range-g64": (3, True, 64, True),  # signed scales: each group's extreme on code -4
 }
 
 
-def quantize(out: Path, fmt: str, bits: int, symmetric: bool, group_size: int, method: str = "rtn") -> Path:
-    stage = {"method": method, "bits": bits, "symmetric": symmetric, "group_size": group_size}
+def quantize(out: Path, fmt: str, bits: int, symmetric: bool, group_size: int, method: str = "rtn", full_range: bool = False) -> Path:
+    stage = {"method": method, "bits": bits, "symmetric": symmetric, "group_size": group_size, "full_range": full_range}
     run_recipe(parse_recipe({"model": REFERENCE_MODEL, "stages": [stage], "output": {"path": out, "format": fmt}}))
     return out
 
@@ -51,9 +52,9 @@ def tokens():
 
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_transformers_loads_our_output_like_the_fake_quantized_model(case, tmp_path, tokens):
-    bits, symmetric, group_size = CASES[case]
-    packed = quantize(tmp_path / "ct", "compressed-tensors", bits, symmetric, group_size)
-    fake = quantize(tmp_path / "fake", "fake", bits, symmetric, group_size)
+    bits, symmetric, group_size, full_range = CASES[case]
+    packed = quantize(tmp_path / "ct", "compressed-tensors", bits, symmetric, group_size, full_range=full_range)
+    fake = quantize(tmp_path / "fake", "fake", bits, symmetric, group_size, full_range=full_range)
     qc = json.loads((packed / "config.json").read_text())["quantization_config"]
     assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
     assert qc["quantization_status"] == "compressed" and qc["ignore"] == ["lm_head"]

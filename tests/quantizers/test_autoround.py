@@ -45,7 +45,11 @@ def _textbook(w, xs, bits, sym, gs, iters, lr, best, batch, seed=0):
         for k in range(n):
             wg, vg = w.double()[:, k * gs : (k + 1) * gs], v[:, k * gs : (k + 1) * gs]
             mx, mn = wg.max(dim=1).values * a[:, k], wg.min(dim=1).values * b[:, k]
-            if sym:
+            if sym == "full":  # auto-round's int_sym: the larger extreme (the maximum on a tie) onto code −2**(b−1)
+                s = torch.where(mx >= -mn, -1.0, 1.0) * torch.maximum(mx, -mn).abs() / 2 ** (bits - 1)
+                q = torch.clamp(ste(wg / s[:, None] + vg), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
+                cols.append(q * s[:, None])
+            elif sym:
                 s = torch.maximum(mx, -mn).abs() / (top / 2)
                 q = torch.clamp(ste(wg / s[:, None] + vg), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1)
                 cols.append(q * s[:, None])
@@ -66,7 +70,7 @@ def _textbook(w, xs, bits, sym, gs, iters, lr, best, batch, seed=0):
     return trail, pick
 
 
-@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("sym", [True, False, "full"], ids=["sym", "asym", "full-range"])
 @pytest.mark.parametrize("best", [True, False], ids=["best", "last"])
 @pytest.mark.parametrize("batch", [6, 4], ids=["all", "mini"])  # 4 of 6: a reshuffle every step, the rest dropped
 def test_matches_textbook_signsgd(sym, best, batch):
@@ -74,7 +78,7 @@ def test_matches_textbook_signsgd(sym, best, batch):
     iters, lr = 12, 0.04
     trail, pick = _textbook(w, xs, 3, sym, 32, iters, lr, best, batch, seed=3)
     config = AutoRoundConfig(iters=iters, lr=lr, batch_size=batch, best=best, seed=3)
-    result = autoround_linear(w, xs, config, QuantScheme(3, sym, 32))
+    result = autoround_linear(w, xs, config, QuantScheme(3, bool(sym), 32, full_range=sym == "full"))
     assert result.best_step == pick
     assert result.losses == pytest.approx([t[0] for t in trail], rel=1e-9)
     _, v, a, b = trail[pick]
@@ -84,11 +88,11 @@ def test_matches_textbook_signsgd(sym, best, batch):
     assert float((p.v.abs()).max()) > 0 and float(p.alpha.min()) < 1  # the steps moved both kinds
 
 
-@pytest.mark.parametrize("sym", [True, False], ids=["sym", "asym"])
+@pytest.mark.parametrize("sym", [True, False, "full"], ids=["sym", "asym", "full-range"])
 @pytest.mark.parametrize("gs", [-1, 16])
 def test_no_steps_is_rtn(sym, gs):
     w, xs = _layer(2, out=6, width=48)
-    grid = QuantScheme(4, sym, gs)
+    grid = QuantScheme(4, bool(sym), gs, full_range=sym == "full")
     got, want = autoround_linear(w, xs, AutoRoundConfig(iters=0), grid).layers["weight"], rtn(w, grid)
     for field in ("weight", "codes", "scale", "zero"):
         assert torch.equal(getattr(got, field), getattr(want, field)), field

@@ -335,3 +335,16 @@ def test_permuted_square_gathers_rows_and_columns(n, rows):
     perm = torch.randperm(n, generator=torch.Generator().manual_seed(n + 1))
     expected = torch.from_numpy(H.numpy()[np.ix_(perm.numpy(), perm.numpy())])
     assert torch.equal(permuted_square(H, perm, rows), expected)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_full_range_grid_with_uncorrelated_inputs_is_rtn(act_order):
+    """A diagonal Hessian feeds no error to other columns, so GPTQ rounds each weight to nearest on the grid it
+    fits: RTN's (tested against a float64 loop in test_grid), with its signed full-range scales."""
+    w, _, _ = correlated_layer(OUT, IN, TOKENS, seed=5)
+    h = torch.diag(torch.rand(IN, generator=torch.Generator().manual_seed(1)) + 0.5)
+    scheme = QuantScheme(3, True, 32, full_range=True)
+    res, want = gptq(w, h, GPTQConfig(scheme, block_size=32, act_order=act_order)), rtn(w, scheme)
+    assert (res.scale < 0).any() and (res.scale > 0).any()
+    assert torch.equal(res.codes, want.codes) and torch.equal(res.scale, want.scale)
+    torch.testing.assert_close(res.weight, want.weight, rtol=0, atol=0)

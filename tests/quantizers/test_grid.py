@@ -277,3 +277,60 @@ def test_qparams_are_the_same_on_cuda(symmetric):
     scheme = QuantScheme(4, symmetric, 64)
     for cpu, gpu in zip(compute_qparams(w, scheme), compute_qparams(w.cuda(), scheme)):
         assert torch.equal(cpu, gpu.cpu())
+
+
+# --------------------------------------------------------------------------------------------------
+# The full-range symmetric grid, against auto-round's int_sym written out as a float64 loop
+
+
+def _full_range_reference(w: np.ndarray, bits: int, width: int):
+    """Per group: the element of largest magnitude (the positive one on a tie) lands on code −2**(b−1), so the
+    scale is ``−w_ext / 2**(b−1)``; codes ``clamp(rint(w/s), −2**(b−1), 2**(b−1) − 1)``, stored unsigned."""
+    half = 2 ** (bits - 1)
+    w = np.asarray(w, dtype=np.float64)
+    rows, cols = w.shape
+    scale = np.zeros((rows, cols // width))
+    codes, ratio = np.zeros(w.shape, dtype=np.int64), np.zeros(w.shape)
+    for r in range(rows):
+        for g in range(cols // width):
+            seg = w[r, g * width : (g + 1) * width]
+            top, bottom = max(seg.max(), 0.0), min(seg.min(), 0.0)
+            extreme = top if top >= -bottom else bottom
+            s = -extreme / half if extreme != 0 else 1.0
+            scale[r, g] = s
+            for c in range(width):
+                t = seg[c] / s
+                codes[r, g * width + c] = int(min(max(np.rint(t), -half), half - 1)) + half
+                ratio[r, g * width + c] = t
+    return codes, scale, ratio
+
+
+@pytest.mark.parametrize("bits", [2, 3, 4, 8])
+@pytest.mark.parametrize("gs", [-1, 32])
+def test_full_range_grid_matches_reference(bits, gs):
+    w = random_weight((6, 128), seed=40 + bits)
+    w[1, :32] = -w[1, :32].abs()  # a group whose extreme is negative: a positive scale
+    w[2, :32] = w[2, :32].abs()  # and one whose extreme is positive: a negative scale
+    w[3] = 0.0  # all-zero groups decode exactly
+    scheme = QuantScheme(bits, True, gs, full_range=True)
+    ref_q, ref_s, ratio = _full_range_reference(w.numpy(), bits, 128 if gs == -1 else gs)
+    scale, zero = compute_qparams(w, scheme)
+    np.testing.assert_allclose(scale.numpy(), ref_s, rtol=1e-6, atol=0)
+    assert (zero == 2 ** (bits - 1)).all()
+    codes = quantize(w, scale, zero, scheme)
+    assert_codes_match(codes.numpy(), ref_q, ratio, True, bits)
+    deq = dequantize(codes, scale, zero, scheme)
+    # each group's extreme is reproduced (code 0), and the grid's step is 2**b / (2**b - 1) finer than min-max's
+    width = 128 if gs == -1 else gs
+    grouped, rebuilt = w.reshape(6, -1, width), deq.reshape(6, -1, width)
+    at = grouped.abs().argmax(dim=-1, keepdim=True)
+    torch.testing.assert_close(rebuilt.gather(-1, at), grouped.gather(-1, at), rtol=1e-6, atol=0)
+    assert (deq[3] == 0).all()
+    half_range = compute_qparams(w, QuantScheme(bits, True, gs))[0]
+    live = half_range[[0, 1, 2, 4, 5]]
+    torch.testing.assert_close(scale[[0, 1, 2, 4, 5]].abs() * (2**bits / (2**bits - 1)), live, rtol=1e-6, atol=0)
+
+
+def test_full_range_is_symmetric_only():
+    with pytest.raises(ValueError, match="full_range"):
+        QuantScheme(4, False, 64, full_range=True)

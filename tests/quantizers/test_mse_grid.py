@@ -71,14 +71,14 @@ def search(request, monkeypatch):
 
 
 @pytest.mark.parametrize("grid,max_shrink,norm", [(100, 0.8, 2.4), (20, 0.5, 2.0), (7, 1.0, 3.0), (10, 0.1, 2.4)])
-@pytest.mark.parametrize("bits,sym,gs", [(3, True, 32), (4, False, 32), (2, False, -1), (4, True, -1)])
+@pytest.mark.parametrize("bits,sym,gs", [(3, True, 32), (4, False, 32), (2, False, -1), (4, True, -1), (2, "full", 32)])
 def test_equals_brute_force(grid, max_shrink, norm, bits, sym, gs, search):
     """Every candidate's error in float64 numpy: the search keeps the first minimum. The search takes
     ``|e|**norm`` in float32 (torch: ``exp(norm log|e|)``; compiled: polynomials within 1e-6), so where two
     candidates' errors lie within float32 noise of each other (1e-5 relative) either may win; everywhere else the
     choice is the brute force's."""
     w = heavy_tailed((10, 96), seed=grid + bits)
-    scheme = QuantScheme(bits=bits, symmetric=sym, group_size=gs)
+    scheme = QuantScheme(bits=bits, symmetric=bool(sym), group_size=gs, full_range=sym == "full")  # full: signed scales
     shrinks = [1 - i / grid for i in range(int(max_shrink * grid))]
     cands = [compute_qparams(w, scheme, shrink=p) for p in shrinks]
     errs = np.stack([independent_error(w, s, z, bits, norm) for s, z in cands])  # [candidates, rows, groups]

@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import enum
 import time
+from typing import Any
 
 import torch
-from pydantic import Field
+from pydantic import Field, TypeAdapter, model_validator
 from torch.func import functional_call
 
 from compress.checkpoints.model_io import get_weight, is_conv1d, set_weight
@@ -50,6 +51,17 @@ class AutoRoundMethodConfig(WeightQuantConfig):
     init: Start = Field(Start.RTN, description="rounding the steps start from: rtn (auto-round's) or gptq (act-order GPTQ "
                                                "on RTN's grid, from each layer's Hessian)")
     damp: float = Field(0.01, gt=0, description="with init=gptq: GPTQ's damping, λ = damp · mean(diag H)")
+    full_range: bool = Field(True, description="symmetric grid whose step is max|w| / 2**(bits-1), each group's extreme on "
+                                               "the lowest code (auto-round's int_sym; an asymmetric grid ignores the default)")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _full_range_where_symmetric(cls, data: Any) -> Any:
+        """The full range is auto-round's symmetric grid, so it is the default there; asked for asymmetric, the grid
+        is asymmetric (a full range given with it stays an error)."""
+        if isinstance(data, dict) and "full_range" not in data and not TypeAdapter(bool).validate_python(data.get("symmetric", True)):
+            data = {**data, "full_range": False}
+        return data
 
     def core(self) -> AutoRoundConfig:
         return AutoRoundConfig(self.iters, self.lr, self.minmax_lr, self.batch_size, self.enable_minmax_tuning,

@@ -32,9 +32,17 @@ class WeightQuantConfig(MethodConfig):
         "auto", description="columns per scale/zero group; -1 for one group per output channel; auto: the largest of 128, 64, 32 "
         "dividing every selected layer")
     symmetric: bool = Field(True, description="symmetric grid (zero point at the middle code)")
+    full_range: bool = Field(False, description="symmetric grid whose step is max|w| / 2**(bits-1): each group's extreme on "
+                                                "the lowest code, the scale signed (auto-round's int_sym; finer at 2-3 bits)")
+
+    @model_validator(mode="after")
+    def _full_range_symmetric(self):
+        if self.full_range and not self.symmetric:
+            raise ValueError("full_range is a symmetric grid: drop full_range, or drop symmetric=false")
+        return self
 
     def scheme(self) -> QuantScheme:
-        return QuantScheme(self.bits, self.symmetric, self.group_size)
+        return QuantScheme(self.bits, self.symmetric, self.group_size, self.full_range)
 
 
 def check_group_size(name: str, in_features: int, group_size: GroupSize) -> None:
@@ -92,6 +100,8 @@ class GridQuantConfig(WeightQuantConfig):
                 raise ValueError(f"{self.grid.value} elements have {bits} bits: drop bits or set it to {bits}")
             if not self.symmetric:
                 raise ValueError(f"{self.grid.value} is a symmetric float grid: drop symmetric=false")
+            if self.full_range:
+                raise ValueError(f"full_range is an integer grid's: drop it for {self.grid.value}")
             if self.group_size == "auto":
                 raise ValueError(f"group size auto chooses among integer group sizes: give {self.grid.value} a group size")
             self.scheme()  # the float grid's own checks (NVFP4 group 16, MXFP4 group 32, block rows)

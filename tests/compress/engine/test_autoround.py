@@ -124,10 +124,11 @@ def test_a_step_joins_its_windows_as_the_capture_held_them():
 
 
 def test_gptq_start_without_steps_writes_gptq(tmp_path, tiny_llama):
-    """``init=gptq`` with no steps is act-order GPTQ on min-max static groups, the Hessians of one pass per block."""
+    """``init=gptq`` with no steps is act-order GPTQ on min-max static groups, the Hessians of one pass per block, on
+    the same (full-range) grid."""
     grid = ["--bits", "3", "--group-size", "32", *CALIB]
     gptq = invoke("quantize", tiny_llama, "-o", tmp_path / "gptq", *grid, "--method", "gptq", "-O", "act_order=true",
-                  "-O", "mse=false", "-O", "true_sequential=false")
+                  "-O", "mse=false", "-O", "true_sequential=false", "-O", "full_range=true")
     ar = invoke("quantize", tiny_llama, "-o", tmp_path / "ar", *grid, "--method", "autoround", "-O", "init=gptq",
                 "-O", "iters=0")
     assert gptq.exit_code == 0 and ar.exit_code == 0, ar.output

@@ -87,6 +87,9 @@ def invoke(*args):
     (["-O", "activations=fp8-token"], "set grid fp8"),
     (["--scheme", "fp8-block"], "does not divide in_features 64"),  # tiny model: 128-wide blocks do not fit
     (["--scheme", "fp9"], "scheme"),
+    (["--scheme", "nvfp4", "-O", "full_range=true"], "full_range is an integer grid's"),
+    (["--asym", "-O", "full_range=true"], "full_range is a symmetric grid"),
+    (["--asym", "--method", "autoround", "-O", "full_range=true", "--calib", CALIB_TEXT], "full_range is a symmetric grid"),
 ])
 def test_bad_float_settings_are_one_line_errors_and_write_nothing(args, needle, tmp_path, tiny_llama):
     result = invoke("quantize", tiny_llama, "-o", tmp_path / "o", *args)
