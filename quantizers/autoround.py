@@ -31,6 +31,10 @@ Start (``starts``, ours; auto-round starts at RTN): a weight ``W₀`` rounded in
 ``Q(W) = s · (clamp(⌊W₀/s + V⌉ + z, 0, M) − z)`` with ``s``, ``z`` as above. With ``W₀`` GPTQ's dequantized weight on
 that same grid (static groups of min-max scales: act-order GPTQ without a clipping search), ``V = 0, α = β = 1`` is
 GPTQ's rounding exactly: the steps start from GPTQ's codes instead of RTN's.
+
+Grids: an integer `QuantScheme` (`compress.quantizers.autoround_grid.IntRounding`, the formulas above) or any object
+with the same three methods, ``start(w) -> Params``, ``qdq(w, p, start)`` (differentiable) and ``finish(w, p, start)``
+(the layer of the chosen parameters): GGML's block grids, `compress.quantizers.gguf_autoround.GGMLRounding`.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from typing import Any, Callable
 
 import torch
 
-from compress.quantizers.autoround_grid import Params, codes_of, qdq
+from compress.quantizers.autoround_grid import IntRounding, Params
 from compress.quantizers.grid import QuantScheme
 from compress.quantizers.result import QuantResult
 
@@ -66,7 +70,7 @@ class AutoRoundResult:
     ``V``, ``α``, ``β`` by weight; ``losses``: each step's loss (before its update); ``best_step``: the step whose
     parameters were kept (-1: none ran, RTN)."""
 
-    layers: dict[str, QuantResult]
+    layers: dict[str, QuantResult | Any]  # a non-integer grid's: what its ``finish`` returns
     params: dict[str, Params]
     losses: list[float] = field(default_factory=list)
     best_step: int = -1
@@ -95,17 +99,18 @@ def autoround(
     inputs: list,
     targets: list[torch.Tensor],
     config: AutoRoundConfig,
-    grids: dict[str, QuantScheme],
+    grids: dict[str, QuantScheme | Any],
     starts: dict[str, torch.Tensor] | None = None,
 ) -> AutoRoundResult:
     """Learn ``V``, ``α``, ``β`` for ``weights`` (name → ``[out, in]``; not modified) so that ``forward(Q(weights),
     [inputs[i], ...])`` matches ``torch.cat([targets[i], ...])`` for every mini-batch of samples; ``grids``: each
-    weight's integer grid. Parameters take the weights' dtype (float32 at least); ``forward`` must be
+    weight's grid (an integer `QuantScheme`, or a rounding object as the module says). Parameters take the weights' dtype (float32 at least); ``forward`` must be
     differentiable in the weights it is given. ``starts``: the weights rounded in ``weights``' place, by name
     (those not named: their own weight)."""
     ws = {n: w.detach() if w.dtype == torch.float64 else w.detach().float() for n, w in weights.items()}
     w0 = {n: ((starts or {}).get(n, w)).detach().to(w.dtype) for n, w in ws.items()}
-    params = {n: Params.start(w, grids[n]) for n, w in ws.items()}
+    rounding = {n: IntRounding(g) if isinstance(g, QuantScheme) else g for n, g in grids.items()}
+    params = {n: rounding[n].start(w) for n, w in ws.items()}
     lr, minmax_lr = config.rates()
     losses: list[float] = []
     chosen, best_step = params, -1
@@ -113,7 +118,7 @@ def autoround(
     for step in range(config.iters):
         current = {n: p.trainable(config.minmax_tuning) for n, p in params.items()}
         with torch.enable_grad():
-            quantized = {n: qdq(ws[n], current[n], grids[n], w0[n]) for n in ws}
+            quantized = {n: rounding[n].qdq(ws[n], current[n], w0[n]) for n in ws}
             leaves = {n: q.detach().requires_grad_() for n, q in quantized.items()}  # the block's graph, apart from qdq's
             picked = next(batches)
             target = torch.cat([targets[i] for i in picked])
@@ -127,13 +132,8 @@ def autoround(
             chosen, best_step = {n: p.detached() for n, p in current.items()}, step
         decay = 1.0 - step / config.iters
         params = {n: p.signed_step(lr * decay, minmax_lr * decay) for n, p in current.items()}
-    layers = {}
     with torch.no_grad():
-        for n, w in ws.items():
-            scale, zero, codes = codes_of(w, chosen[n], grids[n], w0[n])
-            deq = grids[n].dequantize(codes, scale, zero)
-            rel = float(torch.linalg.vector_norm(w.float() - deq) / torch.linalg.vector_norm(w.float()).clamp_min(1e-30))
-            layers[n] = QuantResult(deq, codes, scale, zero, grids[n], stats={"weight_rel_error": rel})
+        layers = {n: rounding[n].finish(w, chosen[n], w0[n]) for n, w in ws.items()}
     return AutoRoundResult(layers, chosen, losses, best_step)
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from compress.quantizers.grid import QuantScheme, _grouped
+from compress.quantizers.result import QuantResult
 
 V_BOUND = 0.5  # |V| ≤ 0.5: the paper's range (auto-round's step budget, lr·(iters+1)/2, reaches just past it)
 SCALE_BOUNDS = (0.0, 1.0)  # α, β: auto-round's ``minmax_scale_bound``
@@ -97,3 +98,24 @@ def codes_of(w: torch.Tensor, p: Params, grid: QuantScheme,
     rounded = g if start is None else _grouped(start.float(), grid)
     q = torch.round(rounded / scale.unsqueeze(-1) + _grouped(p.v.float(), grid)).add_(zero.unsqueeze(-1))
     return scale, zero, q.clamp_(0, grid.max_code).to(torch.int32).reshape(w.shape)
+
+
+@dataclass(frozen=True)
+class IntRounding:
+    """The learned rounding of `compress.quantizers.autoround` on an integer grid: what its core asks of any grid
+    (`start`, `qdq`, `finish`; `compress.quantizers.gguf_autoround.GGMLRounding` is the GGML block grids')."""
+
+    scheme: QuantScheme
+
+    def start(self, w: torch.Tensor) -> Params:
+        return Params.start(w, self.scheme)
+
+    def qdq(self, w: torch.Tensor, p: Params, start: torch.Tensor | None = None) -> torch.Tensor:
+        return qdq(w, p, self.scheme, start)
+
+    def finish(self, w: torch.Tensor, p: Params, start: torch.Tensor | None = None) -> QuantResult:
+        """The layer of the chosen parameters: codes, scale, zero and their float32 decode, ``weight_rel_error``."""
+        scale, zero, codes = codes_of(w, p, self.scheme, start)
+        deq = self.scheme.dequantize(codes, scale, zero)
+        rel = float(torch.linalg.vector_norm(w.float() - deq) / torch.linalg.vector_norm(w.float()).clamp_min(1e-30))
+        return QuantResult(deq, codes, scale, zero, self.scheme, stats={"weight_rel_error": rel})
