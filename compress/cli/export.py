@@ -26,10 +26,10 @@ def export_command(
         "rtn", "--method",
         help="rtn (ggml's reference rounding), imatrix (importance-weighted, as llama-quantize --imatrix), "
         "gptq (GPTQ solved in the GGUF blocks, needs --calib), awq (AWQ scales, then ggml's rounding; needs --calib) "
-        "or awq-gptq (AWQ scales, then GPTQ).",
+        "awq-gptq (AWQ scales, then GPTQ) or autoround (AutoRound's learned rounding in the GGUF blocks, needs --calib).",
     ),
     imatrix: Optional[Path] = typer.Option(None, "--imatrix", help="llama.cpp imatrix GGUF file for --method imatrix."),
-    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text for gptq, awq and awq-gptq, or for imatrix without --imatrix."),
+    calib: Optional[Path] = typer.Option(None, "--calib", help="Calibration text for gptq, awq, awq-gptq and autoround, or for imatrix without --imatrix."),
     samples: int = SAMPLES_OPT,
     seq_len: int = SEQ_LEN_OPT,
     device: str = DEVICE_OPT,
@@ -42,7 +42,7 @@ def export_command(
     target_bpw: Optional[float] = TARGET_BPW_OPT,
     max_kld: Optional[float] = MAX_KLD_OPT,
     option: list[str] = typer.Option(
-        [], "-O", "--option", help="GPTQ/AWQ setting KEY=VALUE, e.g. -O asymmetric=true, -O damp=0.1, -O tied_output=false (see docs/gguf.md).",
+        [], "-O", "--option", help="GPTQ/AWQ/AutoRound setting KEY=VALUE, e.g. -O asymmetric=true, -O damp=0.1, -O iters=50 (see docs/gguf.md).",
     ),
     rotate: Optional[str] = ROTATE_OPT,
     rotate_online: list[str] = ROTATE_ONLINE_OPT,
@@ -73,18 +73,18 @@ def export_command(
     if kind != GGUFMethod.imatrix and imatrix is not None:
         raise CompressError("--imatrix needs --method imatrix: add it, or drop --imatrix")
     if kind == GGUFMethod.rtn and calib is not None:
-        raise CompressError("--calib needs --method imatrix, gptq, awq or awq-gptq: add one, or drop --calib for plain rounding")
+        raise CompressError("--calib needs --method imatrix, gptq, awq, awq-gptq or autoround: add one, or drop --calib for plain rounding")
     if kind == GGUFMethod.imatrix and (imatrix is None) == (calib is None):
         raise CompressError("--method imatrix needs exactly one of --imatrix FILE or --calib TEXT")
     if kind.calibrated and calib is None:
         raise CompressError(f"--method {kind.value} needs calibration text: add --calib PATH")
     if option and not kind.calibrated:
-        raise CompressError(f"-O sets GPTQ/AWQ settings; --method {kind.value} has none: drop -O")
+        raise CompressError(f"-O sets GPTQ/AWQ/AutoRound settings; --method {kind.value} has none: drop -O")
     settings = {}
     if kind.calibrated:
         from compress.export.calibrated import method_configs
 
-        settings = dict(zip(("gptq", "awq"), method_configs(kind, parse_options(option))))
+        settings = dict(zip(("gptq", "awq", "autoround"), method_configs(kind, parse_options(option))))
     check_output(ExportConfig(model, output, target, overwrite))  # before a GGUF input's conversion
     named = model  # what the file's provenance records, not a GGUF input's scratch conversion
     with progress_bars(not as_json) as progress, tempfile.TemporaryDirectory() as scratch, checkpoint_source(model, progress) as model:

@@ -13,6 +13,9 @@ does, with one of the GGUF methods of `compress.engine.methods.gguf` given the t
 - ``awq``: AWQ's scales are searched against each layer's GGML round trip and folded into the norms
   and linears; the scaled checkpoint is then written by ggml's rounding.
 - ``awq-gptq``: both, as two engine stages per block: AWQ's scales, then GPTQ on the scaled layers.
+- ``autoround``: each block's layers learn their rounding in their types' grids on the block's output
+  (`compress.engine.methods.gguf_autoround`); their bytes go to the writer as GPTQ's do. The output layer and
+  the token embeddings get ggml's rounding.
 
 AWQ changes the weights, so its engine output is written to a scratch checkpoint next to the output
 file and exported from there; GPTQ changes only the layers it encodes, so the rest is read from the
@@ -46,6 +49,7 @@ from compress.export.gguf_arch import read_config
 from compress.formats.gguf.grids import is_block_quantized
 from compress.formats.gguf.sizes import GGMLType
 from compress.engine.methods.gguf import GGUFAWQ, GGUFGPTQ, GGUFAWQMethodConfig, GGUFGPTQMethodConfig, gguf_round_trip
+from compress.engine.methods.gguf_autoround import GGUFAutoRound, GGUFAutoRoundMethodConfig
 from compress.engine.methods.base import LayerReport
 from compress.checkpoints.model_io import open_model, quantizable_layers
 from compress.checkpoints.output import copy_side_files, write_config
@@ -117,12 +121,14 @@ def layer_types(model: Path, config: ExportConfig) -> dict[str, GGMLType]:
     }
 
 
-def method_configs(method: GGUFMethod, options: dict) -> tuple[GGUFGPTQMethodConfig | None, GGUFAWQMethodConfig | None]:
-    """The GPTQ and AWQ settings of a calibrated export from ``options`` (``-O KEY=VALUE``): each key goes to the
+def method_configs(method: GGUFMethod, options: dict) -> tuple[GGUFGPTQMethodConfig | None, GGUFAWQMethodConfig | None,
+                                                             GGUFAutoRoundMethodConfig | None]:
+    """The GPTQ, AWQ and AutoRound settings of a calibrated export from ``options`` (``-O KEY=VALUE``): each key goes to the
     method of ``method`` that has it (awq-gptq: to both where both have it); unknown or invalid ones are errors."""
     from pydantic import ValidationError
 
-    configs = {cls: {} for solves, cls in ((method.solves, GGUFGPTQMethodConfig), (method.scales, GGUFAWQMethodConfig)) if solves}
+    configs = {cls: {} for solves, cls in ((method.solves, GGUFGPTQMethodConfig), (method.scales, GGUFAWQMethodConfig),
+                                           (method.learns, GGUFAutoRoundMethodConfig)) if solves}
     for key, value in options.items():
         takers = [cls for cls in configs if key in cls.model_fields]
         if not takers:
@@ -135,13 +141,13 @@ def method_configs(method: GGUFMethod, options: dict) -> tuple[GGUFGPTQMethodCon
     except ValidationError as exc:
         err = exc.errors()[0]
         raise CompressError(f"--method {method.value}: {'.'.join(map(str, err['loc']))}: {err['msg']}") from None
-    return built.get(GGUFGPTQMethodConfig), built.get(GGUFAWQMethodConfig)
+    return built.get(GGUFGPTQMethodConfig), built.get(GGUFAWQMethodConfig), built.get(GGUFAutoRoundMethodConfig)
 
 
 def export_calibrated(
     config: ExportConfig, method: GGUFMethod, calibration: CalibrationSpec, progress: ProgressFn | None = None,
     gptq: GGUFGPTQMethodConfig | None = None, awq: GGUFAWQMethodConfig | None = None, device: str = "cpu",
-    compute_dtype: ComputeDtype = ComputeDtype.auto,
+    compute_dtype: ComputeDtype = ComputeDtype.auto, autoround: GGUFAutoRoundMethodConfig | None = None,
 ) -> ExportResult:
     """Calibrate ``config.model`` with ``method`` (gptq, awq or awq-gptq) on ``calibration`` (a recipe's
     calibration section) and write the GGUF file ``config.output``; the block forwards run in ``compute_dtype``
@@ -154,7 +160,8 @@ def export_calibrated(
     read_config(config.model)  # a llama-family, unquantized checkpoint, or a clear error
     check_output(config)
     # GPTQ's grids fitted with the Hessian diagonal as importance count as an imatrix for llama.cpp's mixes
-    config = replace(config, importance_fit=method.solves and (gptq is None or gptq.weighted_fit))
+    config = replace(config, importance_fit=method.solves and (gptq is None or gptq.weighted_fit)
+                     or method.learns and (autoround is None or autoround.weighted_fit))
     # recorded in the file: the AWQ path exports a scaled copy, so the source is named here
     config = replace(config, source=config.source or config.model, method=method.value, calibration=calibration.model_dump(mode="json"))
     handle = open_model(config.model)
@@ -173,6 +180,9 @@ def export_calibrated(
     head, solver, stages = None, None, []
     if method.scales:
         stages.append(Stage(GGUFAWQ(awq or GGUFAWQMethodConfig(), types), layers))
+    learner = GGUFAutoRound(autoround or GGUFAutoRoundMethodConfig(), types) if method.learns else None
+    if learner is not None:
+        stages.append(Stage(learner, layers))
     if method.solves:
         solver = GGUFGPTQ(gptq or GGUFGPTQMethodConfig(), types)
         stages.append(Stage(solver, layers))
@@ -199,7 +209,8 @@ def export_calibrated(
         return run
 
     def encoded_by_disk_name():  # GPTQ's bytes, under the names the writer reads the checkpoint by
-        return {disk.get(n, n): v for n, v in solver.encoded.items()} if solver is not None else None
+        encoder = solver or learner
+        return {disk.get(n, n): v for n, v in encoder.encoded.items()} if encoder is not None else None
 
     if not ranks.main:  # its share of the calibration and solves; the main process writes the file
         run_engine(DiscardingWriter())

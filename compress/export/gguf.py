@@ -73,6 +73,7 @@ class GGUFMethod(str, enum.Enum):
     gptq = "gptq"  # GPTQ in the GGML block grids, calibrated (compress.export.calibrated)
     awq = "awq"  # AWQ scales searched against the GGML round trip, then ggml's rounding
     awq_gptq = "awq-gptq"  # AWQ scales, then GPTQ in the GGML grids
+    autoround = "autoround"  # AutoRound's learned rounding in the GGML grids, calibrated (compress.export.calibrated)
 
     @property
     def scales(self) -> bool:
@@ -83,8 +84,13 @@ class GGUFMethod(str, enum.Enum):
         return self in (GGUFMethod.gptq, GGUFMethod.awq_gptq)
 
     @property
+    def learns(self) -> bool:
+        """Rounding learned block by block (AutoRound)."""
+        return self is GGUFMethod.autoround
+
+    @property
     def calibrated(self) -> bool:
-        return self.scales or self.solves
+        return self.scales or self.solves or self.learns
 
 
 @dataclass(frozen=True)

@@ -82,5 +82,5 @@ def export_from_spec(
         return export_gguf(config, progress)
     if calibration is None:
         raise CompressError(f"export method {spec.method.value} needs calibration data: add a calibration section")
-    gptq, awq = method_configs(spec.method, spec.options)
-    return export_calibrated(config, spec.method, calibration, progress, gptq=gptq, awq=awq, device=device)
+    gptq, awq, autoround = method_configs(spec.method, spec.options)
+    return export_calibrated(config, spec.method, calibration, progress, gptq=gptq, awq=awq, device=device, autoround=autoround)

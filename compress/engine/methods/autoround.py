@@ -133,6 +133,18 @@ class AutoRound(Method):
     def check_layer(self, name: str, out_features: int, in_features: int) -> None:
         check_group_size(name, in_features, self.config.group_size)
 
+    def grids(self, selected: dict[str, str], weights: dict, stats) -> dict:
+        """Each selected layer's grid (relative name -> what `compress.quantizers.autoround.autoround` rounds onto)."""
+        return {rel: self.config.scheme() for rel in selected}
+
+    def starts(self, selected: dict[str, str], weights: dict, grids: dict, stats) -> dict[str, torch.Tensor] | None:
+        """The weights the steps start rounding from (None: the layers' own)."""
+        return self._gptq_starts(selected, weights, grids, stats) if self.config.init is Start.GPTQ else None
+
+    def keep_layer(self, name: str, quant, info: dict) -> None:
+        """Hand the layer ``name``'s result (its grid's ``finish``) on: for the engine to pack."""
+        self.keep_outcome(name, LayerOutcome(quant.weight, info, quant=quant))
+
     def transform_block(self, block, layers, stats, replay=None) -> list[LayerReport]:
         if replay is None or replay.inputs is None or replay.reference is None:
             raise CompressError(f"autoround fits decoder blocks: exclude {next(iter(layers))}, outside them")
@@ -143,7 +155,7 @@ class AutoRound(Method):
         selected = {relative[m]: full for full, m in layers.items()}  # relative name -> full name
         modules = {rel: block.get_submodule(rel) for rel in selected}
         weights = {rel: get_weight(m).detach().float() for rel, m in modules.items()}
-        grids = {rel: self.config.scheme() for rel in selected}
+        grids = self.grids(selected, weights, stats)
         stream = replay.inputs if self.config.enable_quanted_input else replay.reference.inputs
         inputs = _windows(stream)
         targets = [call[0] for call in _windows([(y, (), {}) for y in replay.reference.outputs()])]
@@ -157,7 +169,7 @@ class AutoRound(Method):
             hidden, args, kwargs = _graph_ready(_joined(calls) if len(calls) > 1 else calls[0])
             return block_output(functional_call(block, swapped, (hidden, *args), kwargs))
 
-        starts = self._gptq_starts(selected, weights, grids, stats) if self.config.init is Start.GPTQ else None
+        starts = self.starts(selected, weights, grids, stats)
         result = autoround(forward, weights, inputs, targets, self.config.core(), grids, starts)
         reports = []
         with torch.no_grad():
@@ -165,7 +177,7 @@ class AutoRound(Method):
                 quant = result.layers[rel]
                 set_weight(modules[rel], quant.weight)
                 info = {**quant.stats, **result.stats}
-                self.keep_outcome(full, LayerOutcome(quant.weight, info, quant=quant))
+                self.keep_layer(full, quant, info)
                 reports.append(LayerReport(full, tuple(weights[rel].shape), 0.0, info))
         for report in reports:  # one fit serves the whole block: share its time evenly
             report.seconds = (time.perf_counter() - start) / len(reports)

@@ -1,0 +1,80 @@
+"""AutoRound behind the calibrated GGUF export (``compress export --method autoround``): each decoder block's layers
+learn their rounding inside their GGML types' block grids, together, on the block's output
+(`compress.engine.methods.autoround.AutoRound`'s fit, with `compress.quantizers.gguf_autoround.GGMLRounding` as each
+layer's grid).
+
+Each layer's grid is the type's own fit of its float weight, importance-weighted by its inputs' mean squares
+(``weighted_fit``, what llama.cpp's imatrix holds) or plain; then only the rounding offsets are learned: ggml's
+encoder sets the scales, so auto-round's min/max tuning does not apply. Every layer's bytes are kept in ``encoded``
+for the GGUF writer, as `compress.engine.methods.gguf.GGUFGPTQ` keeps GPTQ's, and the layer is set to their decode,
+so the next block fits on the quantized model's stream. The output layer and the token embeddings (tied or not)
+are not decoder-block layers: the writer rounds them with ggml's encoder.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+from pydantic import Field
+
+from compress.engine.methods.autoround import AutoRound
+from compress.engine.methods.base import MethodConfig
+from compress.engine.statistics import Stat
+from compress.formats.gguf.sizes import GGMLType
+from compress.quantizers.autoround import AutoRoundConfig
+from compress.quantizers.gguf_autoround import GGMLRounding, check_affine
+
+
+class GGUFAutoRoundMethodConfig(MethodConfig):
+    """auto-round's names for the settings that apply in GGML's grids."""
+
+    iters: int = Field(200, ge=0, description="signed-gradient steps per block (0: ggml's nearest rounding on the fitted grids)")
+    lr: float | None = Field(None, gt=0, description="step size of the rounding offsets, decayed linearly to 0 (default 1/iters)")
+    batch_size: int = Field(8, ge=1, description="calibration windows per step")
+    enable_quanted_input: bool = Field(True, description="fit each block on the compressed model's inputs (else the uncompressed model's)")
+    not_use_best_mse: bool = Field(False, description="keep the last step's rounding instead of the lowest-loss step's")
+    seed: int = Field(0, description="order of the calibration windows over the steps")
+    weighted_fit: bool = Field(True, description="fit each layer's GGML grid with its inputs' mean squares as importance "
+                                                 "(the imatrix's values); false: ggml's plain fit")
+
+    def core(self) -> AutoRoundConfig:
+        return AutoRoundConfig(self.iters, self.lr, None, self.batch_size, minmax_tuning=False,
+                               best=not self.not_use_best_mse, seed=self.seed)
+
+
+class GGUFAutoRound(AutoRound):
+    """AutoRound's rounding learned in each layer's GGML type; ``types``: layer name -> type."""
+
+    name = "autoround"
+    Config = GGUFAutoRoundMethodConfig
+    learned_state = ("encoded",)  # each layer's bytes
+
+    def __init__(self, config: GGUFAutoRoundMethodConfig, types: dict[str, GGMLType]):
+        super().__init__(config)
+        self.types = types
+        self.encoded: dict[str, tuple[GGMLType, np.ndarray]] = {}  # layer name -> (type, [out, row_bytes])
+
+    @property
+    def needs(self) -> frozenset[Stat]:
+        return frozenset({Stat.INPUT_L2}) if self.config.weighted_fit else frozenset()
+
+    def check_layer(self, name: str, out_features: int, in_features: int) -> None:
+        """The type plan has chosen each layer a type whose blocks fit; it must be an affine one."""
+        check_affine(self.types[name], name)
+
+    def grids(self, selected: dict[str, str], weights: dict, stats) -> dict[str, GGMLRounding]:
+        fitted = {}
+        for rel, full in selected.items():
+            importance = None
+            if self.config.weighted_fit:
+                squares = stats[full][Stat.INPUT_L2].double().square()  # Σx², the imatrix's values up to 1/n
+                importance = (squares + 1e-8 * squares.mean()).float()  # no column weightless (GGUFGPTQ's floor)
+            fitted[rel] = GGMLRounding.fit(self.types[full], weights[rel], importance)
+        return fitted
+
+    def starts(self, selected, weights, grids, stats) -> None:
+        return None  # the steps start at ggml's nearest rounding on the fitted grids
+
+    def keep_layer(self, name: str, quant, info: dict) -> None:
+        self.encoded[name] = (quant.kind, quant.data)
+        info["type"] = quant.kind.name
