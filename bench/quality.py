@@ -59,7 +59,8 @@ def main() -> None:
     settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
     print(f"model {args.model}, text {args.text}, ctx {args.ctx}; calibration {args.calib.name} "
           f"{args.samples}x{args.seq_len}")
-    print(f"{'method':<22}{'rotation':<17}{'setting':<14}{'ppl':>9}{'ref ppl':>9}{'ppl +%':>9}{'mean KLD':>11}{'KLD p99':>9}{'time':>8}")
+    width = max(22, *(len(spec) + 2 for spec in args.methods.split(",")))
+    print(f"{'method':<{width}}{'rotation':<20}{'setting':<14}{'ppl':>9}{'ref ppl':>9}{'ppl +%':>9}{'mean KLD':>11}{'KLD p99':>9}{'time':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.methods.split(","):
             name, options = parse_method(spec)
@@ -79,7 +80,7 @@ def main() -> None:
                 start = time.perf_counter()
                 ev = run_recipe(parse_recipe(data)).evaluation
                 setting = f"w{bits} " + ("per-chan" if group == -1 else f"g{group}")
-                print(f"{spec:<22}{rotation:<17}{setting:<14}{ev.perplexity:>9.3f}{ev.ref_perplexity:>9.3f}"
+                print(f"{spec:<{width}}{rotation:<20}{setting:<14}{ev.perplexity:>9.3f}{ev.ref_perplexity:>9.3f}"
                       f"{100 * (ev.perplexity / ev.ref_perplexity - 1):>8.2f}%{ev.kld:>11.5f}{ev.kld_p99:>9.4f}"
                       f"{time.perf_counter() - start:>7.0f}s", flush=True)
 
