@@ -47,6 +47,7 @@ CAL = ["--calib", str(CALIB), "--samples", "16", "--seq-len", "256"]
 SCHEMES: dict[str, list[str]] = {
     "float": [],
     "w4a16 sym g64": ["quantize", "--bits", "4", "--group-size", "64"],
+    "w4a16 sym g64 full range (signed scales)": ["quantize", "--bits", "4", "--group-size", "64", "-O", "full_range=true"],
     "w4a16 asym g64": ["quantize", "--bits", "4", "--group-size", "64", "--asym"],
     "w4a16 sym g128 (down_proj)": ["quantize", "--bits", "4", "--group-size", "128", "--include", r"mlp\.down_proj"],
     "w4a16 asym g128 (down_proj)": ["quantize", "--bits", "4", "--group-size", "128", "--asym", "--include", r"mlp\.down_proj"],

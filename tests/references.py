@@ -290,3 +290,15 @@ def reference_sparsegpt(
         W[:, i + 1 :] -= torch.outer(err, Hinv[i, i + 1 :])
         Hinv -= torch.outer(Hinv[:, i], Hinv[i, :]) / Hinv[i, i]
     return {"weight": out, "pruned": pruned, "lam": lam}
+
+
+def shuffled_batches(xs: list, batch: int, seed: int):
+    """auto-round's IndexSampler written out: float64 mini-batches of ``batch`` samples of ``xs`` joined along dim 0,
+    drawn in turn from a seeded shuffled order (``torch.randperm``), reshuffled when fewer than ``batch`` remain."""
+    generator = torch.Generator().manual_seed(seed)
+    order, at = [], len(xs)
+    while True:
+        if at + batch > len(xs):
+            order, at = torch.randperm(len(xs), generator=generator).tolist(), 0
+        yield torch.cat([xs[i] for i in order[at : at + batch]]).double()
+        at += batch

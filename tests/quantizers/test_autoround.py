@@ -12,6 +12,8 @@ from compress.quantizers.autoround_grid import qdq
 from compress.quantizers.grid import QuantScheme
 from compress.quantizers.rtn import rtn
 
+from references import shuffled_batches
+
 
 def _layer(seed: int, out: int = 8, width: int = 64, samples: int = 6, dtype=torch.float32):
     g = torch.Generator().manual_seed(seed)
@@ -27,18 +29,14 @@ def _textbook(w, xs, bits, sym, gs, iters, lr, best, batch, seed=0):
     out, width = w.shape
     n = width // gs
     top = 2**bits - 1
-    generator = torch.Generator().manual_seed(seed)
-    order, at = [], len(xs)
+    batches = shuffled_batches(xs, batch, seed)
     v = torch.zeros(out, width, dtype=torch.float64)
     a = torch.ones(out, n, dtype=torch.float64)
     b = torch.ones(out, n, dtype=torch.float64)
     ste = lambda t: t + (torch.round(t) - t).detach()  # noqa: E731
     trail = []
     for t in range(iters):
-        if at + batch > len(xs):
-            order, at = torch.randperm(len(xs), generator=generator).tolist(), 0
-        x = torch.cat([xs[i] for i in order[at : at + batch]]).double()
-        at += batch
+        x = next(batches)
         y = x @ w.double().T
         v.requires_grad_(), a.requires_grad_(), b.requires_grad_()
         cols = []

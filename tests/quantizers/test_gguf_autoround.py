@@ -13,7 +13,7 @@ from compress.formats.gguf.codecs import CODECS, decode_tensor
 from compress.formats.gguf.sizes import GGMLType
 from compress.quantizers.autoround import AutoRoundConfig, autoround
 from compress.quantizers.gguf_autoround import GGMLRounding, is_affine
-from references import one_line_error
+from references import one_line_error, shuffled_batches
 
 AFFINE = [GGMLType.Q4_K, GGMLType.Q3_K, GGMLType.Q6_K, GGMLType.Q2_K, GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q5_1]
 K_QUANTS = {GGMLType.Q4_K, GGMLType.Q3_K, GGMLType.Q6_K, GGMLType.Q2_K}
@@ -57,16 +57,12 @@ def _textbook(w, xs, step, offset, lo, hi, iters, lr, best, batch, seed=0):
     """The learned rounding written out in float64 on a fixed grid: each step one mean squared output error over a
     mini-batch (a seeded shuffled order, reshuffled when fewer than ``batch`` remain), the code
     ``clamp(round((w + offset)/step + V), lo, hi)`` straight-through, SignSGD with linear decay, V clamped to ±0.5."""
-    generator = torch.Generator().manual_seed(seed)
-    order, at = [], len(xs)
+    batches = shuffled_batches(xs, batch, seed)
     step, offset = torch.from_numpy(step).double(), torch.from_numpy(offset).double()
     v = torch.zeros_like(w, dtype=torch.float64)
     trail = []
     for t in range(iters):
-        if at + batch > len(xs):
-            order, at = torch.randperm(len(xs), generator=generator).tolist(), 0
-        x = torch.cat([xs[i] for i in order[at : at + batch]]).double()
-        at += batch
+        x = next(batches)
         v.requires_grad_()
         u = (w.double() + offset) / torch.where(step == 0, 1.0, step) + v
         q = torch.clamp(u + (torch.round(u) - u).detach(), lo, hi)
