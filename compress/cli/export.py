@@ -7,6 +7,7 @@ from typing import Optional
 
 import typer
 
+from compress.cli import allocator
 from compress.cli.measure import MAX_KLD_OPT, TARGET_BPW_OPT, TARGET_SIZE_OPT
 from compress.cli.options import (COMPUTE_DTYPE_OPT, DEVICE_OPT, JSON_OPT, MODEL_ARG, ROTATE_ONLINE_OPT, ROTATE_OPT, SAMPLES_OPT,
                                  SEQ_LEN_OPT, parse_options)
@@ -103,13 +104,16 @@ def export_command(
             config = replace(config, types=types)
         elif any(v is not None for v in (target_size, target_bpw, max_kld)):
             raise CompressError("--target-size/--target-bpw/--max-kld need measurements: pass --plan sensitivity.json from `compress measure`")
+        if kind.calibrated or calib is not None:  # the calibration's forwards are the hot loop, then the encoding
+            allocator.set_allocator(allocator.CALIBRATED_EXPORT)
         if kind.calibrated:
             from compress.export.calibrated import export_calibrated
             from compress.checkpoints.calibration import CalibrationSpec
             from compress.checkpoints.loading import ComputeDtype
 
             result = export_calibrated(config, kind, CalibrationSpec(path=calib, samples=samples, seq_len=seq_len), progress, device=device,
-                                       compute_dtype=ComputeDtype(compute_dtype), **settings)
+                                       compute_dtype=ComputeDtype(compute_dtype), window_chunks=allocator.CALIBRATED_EXPORT.window_chunks,
+                                       **settings)
         else:
             if calib is not None:
                 from compress.export.imatrix import ImatrixConfig, run_imatrix

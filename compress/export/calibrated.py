@@ -148,10 +148,12 @@ def export_calibrated(
     config: ExportConfig, method: GGUFMethod, calibration: CalibrationSpec, progress: ProgressFn | None = None,
     gptq: GGUFGPTQMethodConfig | None = None, awq: GGUFAWQMethodConfig | None = None, device: str = "cpu",
     compute_dtype: ComputeDtype = ComputeDtype.auto, autoround: GGUFAutoRoundMethodConfig | None = None,
+    window_chunks: bool = False,
 ) -> ExportResult:
     """Calibrate ``config.model`` with ``method`` (gptq, awq or awq-gptq) on ``calibration`` (a recipe's
     calibration section) and write the GGUF file ``config.output``; the block forwards run in ``compute_dtype``
-    (`resolve_compute_dtype`)."""
+    (`resolve_compute_dtype`). ``window_chunks``: the engine's (`compress.engine.block_engine.Engine`), for a process
+    whose allocator serves its chunks from the heap (`compress.cli.allocator.CALIBRATED_EXPORT`)."""
     start = time.perf_counter()
     if not method.calibrated:
         raise CompressError(f"--method {method.value} needs no calibration: use export_gguf")
@@ -193,7 +195,8 @@ def export_calibrated(
     dtype, _ = resolve_compute_dtype(compute_dtype, model_dtype(handle.config), device)
     engine = Engine(handle, stages, device, dtype, batch_size=calibration.batch_size, progress=progress, keep_final_hidden=head is not None,
                     ranks=ranks, activation_memory=calibration.activation_memory, scratch=scratch_beside(config.output),
-                    outer_weights=_rounded_embeddings(handle, stored) if asymmetric and embed is None else None)
+                    outer_weights=_rounded_embeddings(handle, stored) if asymmetric and embed is None else None,
+                    window_chunks=window_chunks)
     engine.check_stages()  # before the calibration set is tokenized
     windows = load_calibration(
         calibration.path, load_tokenizer(config.model), calibration.samples, calibration.seq_len, calibration.seed

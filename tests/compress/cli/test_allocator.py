@@ -89,3 +89,33 @@ def test_a_recipe_runs_under_the_policy_of_its_hot_loop(monkeypatch, tmp_path, m
     with pytest.raises(Ran):
         CliRunner().invoke(app, ["run", str(recipe)], catch_exceptions=False)
     assert applied[-1] == getattr(allocator, policy)
+
+
+@pytest.mark.parametrize("method, extra, policy", [
+    ("rtn", [], "STREAMING"),
+    ("gptq", ["--calib", "CALIB"], "CALIBRATED_EXPORT"),
+    ("imatrix", ["--calib", "CALIB"], "CALIBRATED_EXPORT"),
+])
+def test_an_export_with_calibration_text_switches_to_the_calibrated_policy(monkeypatch, tmp_path, method, extra, policy):
+    """`compress export` starts under STREAMING; with calibration text (GPTQ's one pass, imatrix's forwards) it switches
+    to CALIBRATED_EXPORT before calibrating, and GPTQ's engine runs its windows in chunks."""
+    from conftest import CALIB_TEXT, REFERENCE_MODEL
+
+    class Ran(Exception):
+        """The export began (under the policy applied last)."""
+
+    applied, chunks = [], []
+
+    def began(*args, window_chunks=False, **kwargs):
+        chunks.append(window_chunks)
+        raise Ran
+
+    monkeypatch.setattr(allocator, "set_allocator", applied.append)
+    monkeypatch.setattr("compress.export.calibrated.export_calibrated", began)
+    monkeypatch.setattr("compress.export.imatrix.run_imatrix", began)
+    monkeypatch.setattr("compress.export.gguf.export_gguf", began)
+    args = ["export", str(REFERENCE_MODEL), "-o", str(tmp_path / "out.gguf"), "--type", "q4_k", "--method", method]
+    with pytest.raises(Ran):
+        CliRunner().invoke(app, args + [str(CALIB_TEXT) if a == "CALIB" else a for a in extra], catch_exceptions=False)
+    assert applied[-1] == getattr(allocator, policy)
+    assert chunks == [method == "gptq"]

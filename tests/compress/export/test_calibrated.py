@@ -158,6 +158,28 @@ def test_cli_gptq_export(tmp_path):
     assert out.read_bytes()[:4] == b"GGUF" and "gptq" in res.output
 
 
+def test_gptq_export_in_chunks_of_windows_writes_the_file_of_one_batch(tmp_path, monkeypatch):
+    """``window_chunks`` (`compress export`'s policy with calibration text): the windows' forwards in chunks taking
+    turns, a window each here, and the tensors of the one-batch export byte for byte."""
+    from compress.engine import block_engine, one_pass
+
+    calibration = CalibrationSpec(path=CALIB_TEXT, samples=3, seq_len=64)
+    chunks = []
+    monkeypatch.setattr(one_pass, "CHUNK_BYTES", 1)  # a window each
+    monkeypatch.setattr(block_engine, "solve_while_propagating", lambda block, parts, *a, solve=block_engine.solve_while_propagating, **k: (
+        chunks.append(len(parts)), solve(block, parts, *a, **k))[1])
+    one, cut = tmp_path / "one.gguf", tmp_path / "chunks.gguf"
+    export_calibrated(ExportConfig(REFERENCE_MODEL, one, Target.q4_k_m), GGUFMethod.gptq, calibration)
+    assert set(chunks) == {1}
+    chunks.clear()
+    export_calibrated(ExportConfig(REFERENCE_MODEL, cut, Target.q4_k_m), GGUFMethod.gptq, calibration, window_chunks=True)
+    assert set(chunks) == {3}
+    a, b = tensors(one), tensors(cut)
+    assert a.keys() == b.keys()
+    for name in a:
+        assert np.array_equal(a[name].view(np.uint8), b[name].view(np.uint8)), name
+
+
 def test_recipe_export_with_gptq_needs_calibration():
     from compress.run.recipe import parse_recipe
     from references import one_line_error
