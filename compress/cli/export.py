@@ -119,7 +119,10 @@ def export_command(
                 from compress.export.imatrix import ImatrixConfig, run_imatrix
 
                 imatrix = Path(scratch) / "imatrix.gguf"
-                run_imatrix(ImatrixConfig(model, calib, imatrix, samples, seq_len), progress)
+                from compress.engine.one_pass import CHUNK_BYTES
+
+                chunks = CHUNK_BYTES if allocator.CALIBRATED_EXPORT.window_chunks else None  # batches the heap serves
+                run_imatrix(ImatrixConfig(model, calib, imatrix, samples, seq_len, chunk_bytes=chunks), progress)
             if launched_rank():  # under a launcher the other processes shared the imatrix; rank 0 writes the file
                 return
             source = f"collected from {calib}" if calib is not None else None

@@ -41,11 +41,17 @@ class ImatrixConfig:
     seed: int = 0
     process_output: bool = False
     overwrite: bool = False
+    chunk_bytes: int | None = None  # `collect_imatrix`'s
 
 
 def collect_imatrix(model, windows: torch.Tensor, process_output: bool = False,
-                    progress: Callable[[int, int], None] | None = None, batch_size: int = 8) -> dict[str, ImatrixEntry]:
-    """Run ``windows`` ([samples, seq_len] token ids) through ``model``; pure apart from the hooks it removes."""
+                    progress: Callable[[int, int], None] | None = None, batch_size: int = 8,
+                    chunk_bytes: int | None = None) -> dict[str, ImatrixEntry]:
+    """Run ``windows`` ([samples, seq_len] token ids) through ``model`` in batches of ``batch_size``; pure apart from
+    the hooks it removes. ``chunk_bytes``: fewer windows per batch where a batch's widest activation (the widest hooked
+    layer's input or output, float32) would pass this many bytes, for an allocator that serves a batch's temporaries
+    from its heap (`compress.cli.allocator.CALIBRATED_EXPORT`). Each window's sums are taken on their own (float64,
+    exact squares) and added in window order, so the batching does not change them."""
     entries: dict[str, ImatrixEntry] = {}
     hooks = []
     last: list = [None, -1, None]  # the input the latest hook summed, its version and its sums
@@ -56,8 +62,13 @@ def collect_imatrix(model, windows: torch.Tensor, process_output: bool = False,
         """Column sums of ``inp``'s squares (float64) and its rows. Layers fed one tensor (q/k/v, gate/up) are hooked
         one after the other: the sums are taken once for them (the same tensor, not modified in place since)."""
         if last[0] is not inp or last[1] != inp._version:
-            x = inp.detach().reshape(-1, inp.shape[-1]).double()
-            last[:] = inp, inp._version, ((x * x).sum(dim=0).numpy(), x.shape[0])
+            x = inp.detach()
+            rows = x.reshape(-1, x.shape[-1]).shape[0]
+            sums = torch.zeros(x.shape[-1], dtype=torch.float64)
+            windows = x.reshape(-1, x.shape[-2], x.shape[-1]) if x.dim() >= 3 else x[None]  # routed tokens: one
+            for window in windows:  # a window's float64 copy at a time: a batch's would be twice its widest activation
+                sums += window.double().square_().sum(dim=0)
+            last[:] = inp, inp._version, (sums.numpy(), rows)
         return last[2]
 
     def hook(name, expert: int | None):
@@ -73,6 +84,7 @@ def collect_imatrix(model, windows: torch.Tensor, process_output: bool = False,
                 entry.count[expert] += rows
         return accumulate
 
+    hooked: list[torch.nn.Module] = []
     arch = ARCHITECTURES.get(model.config.model_type, "llama")
     for module_name, module in model.named_modules():
         weight = getattr(module, "weight", None)  # linear layers, and routers that multiply by their weight
@@ -86,9 +98,13 @@ def collect_imatrix(model, windows: torch.Tensor, process_output: bool = False,
         if expert is not None and name not in entries:
             entries[name] = ImatrixEntry.experts(n_expert, module.in_features)  # experts are nn.Linear (UnfusedExperts)
         hooks.append(module.register_forward_pre_hook(hook(name, expert)))
+        hooked.append(module)
     # without the output layer's entry, the decoder alone: no hook reads the logits (SmolLM2's output layer, 49,152 wide,
     # is a fifth of the forward's multiplications, and 8 x 512 tokens of them 0.8 GB) nor the KV cache
     forward = model if process_output else model.base_model
+    if chunk_bytes is not None and windows.shape[0]:
+        widest = max(max(module.weight.shape) for module in hooked)
+        batch_size = max(1, min(batch_size, chunk_bytes // (windows.shape[1] * widest * 4)))
     try:
         with torch.no_grad():  # not inference mode: its tensors keep no version counter (`squares`)
             for i in range(0, windows.shape[0], batch_size):
@@ -119,7 +135,7 @@ def run_imatrix(config: ImatrixConfig, progress: Callable[[str, int, int], None]
     with Ranks.from_environment() as ranks:  # under a launcher: each process its share of the windows
         if windows.shape[0] < ranks.world:
             raise CompressError(f"{windows.shape[0]} calibration windows cannot be shared by {ranks.world} processes: use more samples")
-        entries = collect_imatrix(model, ranks.local_share(windows), config.process_output, on_step)
+        entries = collect_imatrix(model, ranks.local_share(windows), config.process_output, on_step, chunk_bytes=config.chunk_bytes)
         combine_entries(entries, ranks)
     if not entries:
         raise CompressError(f"no linear layers with a GGUF name found in {config.model}: imatrix supports the GGUF export's architectures")

@@ -33,6 +33,33 @@ def test_first_block_entries_are_squared_normed_embeddings(tiny_llama):
     assert entries["blk.1.ffn_down.weight"].in_sum2.shape == (model.config.intermediate_size,)
 
 
+def test_batches_cut_to_chunk_bytes_give_the_sums_of_a_float64_loop(tiny_llama):
+    """``chunk_bytes`` (the heap's chunks, `compress export` with --calib) cuts the batches to a window each here: the
+    sums are, bit for bit, those of batches of 8, and the exact float64 squares of each layer's input summed window by
+    window in order (the textbook loop, the inputs recorded by a hook of its own)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32).eval()
+    ids = torch.randint(0, model.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(2))
+    inputs, batches = [], []
+    down = model.model.layers[1].mlp.down_proj
+    down.register_forward_pre_hook(lambda _m, args: inputs.append(args[0].detach().clone()))
+    model.model.embed_tokens.register_forward_pre_hook(lambda _m, args: batches.append(args[0].shape[0]))
+    chunked = collect_imatrix(model, ids, chunk_bytes=40 * model.config.intermediate_size * 4)  # one window's widest
+    assert batches == [1, 1, 1]
+    whole = collect_imatrix(model, ids)
+    assert batches[3:] == [3]
+    expected = torch.zeros(model.config.intermediate_size, dtype=torch.float64)
+    for x in inputs[:3]:
+        for row in x.reshape(-1, x.shape[-1]).double():
+            expected += row * row
+    assert whole.keys() == chunked.keys()
+    for name in whole:
+        np.testing.assert_array_equal(chunked[name].in_sum2, whole[name].in_sum2, err_msg=name)
+        assert chunked[name].count == whole[name].count == 120
+    np.testing.assert_allclose(chunked["blk.1.ffn_down.weight"].in_sum2, expected.numpy(), rtol=1e-13)
+
+
 def test_the_output_layer_runs_only_for_its_entry(tiny_llama):
     """Without ``process_output`` no entry reads the logits: the output layer is not run at all, and the blocks' entries
     are those of the whole model's forward (summed here by a hook of the test's own)."""
