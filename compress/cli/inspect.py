@@ -90,6 +90,16 @@ def _typed(value) -> object:
     return value.value if isinstance(value, enum.Enum) else value
 
 
+def _default(field) -> object:
+    """A setting's default as typed with -O: a list's items joined by commas, a required one marked so."""
+    if field.is_required():
+        return "(required)"
+    value = field.get_default(call_default_factory=True)
+    if isinstance(value, (list, tuple)):
+        return "[" + ",".join(str(_typed(v)) for v in value) + "]"
+    return _typed(value)
+
+
 def methods() -> None:
     """List the registered methods and their settings."""
     from compress.engine.registry import method_class, method_names
@@ -99,7 +109,7 @@ def methods() -> None:
     table.add_column("settings (default)")
     for name in method_names():
         cfg = method_class(name).Config
-        table.add_row(name, ", ".join(f"{k}={_typed(f.default)}" for k, f in cfg.model_fields.items()))
+        table.add_row(name, ", ".join(f"{k}={_default(f)}" for k, f in cfg.model_fields.items()))
     stdout.print(table)
 
 

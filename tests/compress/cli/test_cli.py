@@ -245,3 +245,16 @@ def test_prune_joint_quantization_keeps_pattern_and_grid(tmp_path, tiny_llama):
     assert all(len(set(g.tolist()) | {0.0}) <= 16 for row in groups for g in row)  # 4-bit symmetric grid with 0
     stage = json.loads((out / "config.json").read_text())["compression"]["stages"][0]
     assert (stage["method"], stage["pattern"], stage["bits"], stage["group_size"]) == ("sparsegpt", "2:4", 4, 32)
+
+
+def test_methods_lists_every_setting_with_its_default_as_typed():
+    from compress.engine.registry import method_class, method_names
+
+    result = runner.invoke(app, ["methods"], env={"COLUMNS": "400"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "Undefined" not in text
+    for name in method_names():
+        for key in method_class(name).Config.model_fields:
+            assert f"{key}=" in text, (name, key)
+    assert "online=[]" in text and "full_range=True" in text and "full_range=False" in text
