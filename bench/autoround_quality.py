@@ -3,7 +3,7 @@
     python bench/autoround_quality.py [--model /tmp/smollm2] [--blocks N] [--bits 4 3 2] [--group-size 64]
                                       [--iters 200] [--batch-size 8] [--calib FILE --samples 32 --seq-len 512]
                                       [--text FILE --max-tokens 4096] [--threads 2] [--amp | --no-amp]
-                                      [--set KEY=VALUE ...]
+                                      [--set KEY=VALUE ...] [--gguf q4_k_m q3_k_m]
 
 For each bit width, symmetric integer weights in groups of ``--group-size``: our ``compress quantize --method
 autoround -O iters=N -O batch_size=B`` and auto-round (``AutoRound(..., iters=N, batch_size=B)`` then
@@ -21,6 +21,15 @@ model. auto-round compiles its block forward with ``torch.compile`` from 10 iter
 cache (``/tmp/torchinductor_$USER``) makes its later runs start faster than its first: clear it, or run once before
 timing. ``--blocks N`` runs both on a copy of the model truncated to its first N blocks. Prints one row per tool and
 bit width, and ours / auto-round ratios.
+
+``--gguf TYPE ...`` (llama.cpp mixes such as q4_k_m, q3_k_m) writes GGUF files instead of the integer rows, three
+per type: auto-round's own GGUF export (scheme ``GGUF:Q4_K_M``, ``quantize_and_save(format="gguf:q4_k_m")``, same
+windows, iters, batch size and ``--amp``), our ``compress export --type TYPE --method autoround -O iters=N -O
+batch_size=B`` and our ``--method gptq`` of the same type, both with ``--calib --samples --seq-len``. llama.cpp scores
+each: ``llama-perplexity --kl-divergence`` (bench/llama_cpp_tools.py) against the logits of the model's F16 GGUF
+(``compress export --type f16``) saved by ``--kl-divergence-base`` over the first ``--max-tokens`` of ``--text`` in
+windows of 512 tokens (llama.cpp scores the second half of each window). Prints type, tool, wall, peak RSS, file
+size, llama.cpp's mean KLD, and each one's ratios to auto-round's.
 """
 
 from __future__ import annotations
@@ -28,6 +37,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -36,8 +46,11 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "bench" / "anchors"))
+sys.path[:0] = [str(REPO / "bench" / "anchors"), str(REPO / "bench")]
 from autoround_venv import DEFAULT_VENV, build_venv  # noqa: E402
+from llama_cpp_tools import tool  # noqa: E402  (the standard library only)
+
+LLAMA_CTX = 512  # llama-perplexity's window
 
 
 def timed(command: list[str], log: Path, threads: int) -> tuple[float, float]:
@@ -57,22 +70,40 @@ def timed(command: list[str], log: Path, threads: int) -> tuple[float, float]:
     return seconds, usage.ru_maxrss / 1e6  # Linux: KiB
 
 
+def calibration(args) -> list[str]:
+    return ["--calib", str(args.calib), "--samples", str(args.samples), "--seq-len", str(args.seq_len)]
+
+
+def autoround_settings(args) -> list[str]:
+    """``-O`` settings of our autoround: auto-round's iters and batch size, then ``--set``."""
+    return [arg for item in (f"iters={args.iters}", f"batch_size={args.batch_size}", *args.set) for arg in ("-O", item)]
+
+
 def ours(args, model: Path, bits: int, out: Path) -> tuple[float, float]:
     compress = Path(sys.executable).with_name("compress")
     command = [str(compress), "quantize", str(model), "-o", str(out), "--bits", str(bits), "--group-size",
-               str(args.group_size), "--method", "autoround", "--calib", str(args.calib), "--samples", str(args.samples),
-               "--seq-len", str(args.seq_len), "--compute-dtype", args.compute_dtype, "-O", f"iters={args.iters}",
-               "-O", f"batch_size={args.batch_size}"]
-    for item in args.set:
-        command += ["-O", item]
+               str(args.group_size), "--method", "autoround", *calibration(args), "--compute-dtype", args.compute_dtype,
+               *autoround_settings(args)]
     return timed(command, out.with_name(out.name + ".log"), args.threads)
 
 
-def anchor(args, model: Path, bits: int, windows: Path, out: Path) -> tuple[float, float, Path]:
+def ours_gguf(args, model: Path, kind: str, method: str, out: Path) -> tuple[float, float]:
+    """``compress export --type kind --method method`` (autoround with auto-round's iters and batch size)."""
+    compress = Path(sys.executable).with_name("compress")
+    command = [str(compress), "export", str(model), "-o", str(out), "--type", kind, "--method", method,
+               *calibration(args), *(autoround_settings(args) if method == "autoround" else [])]
+    return timed(command, out.with_name(out.name + ".log"), args.threads)
+
+
+def anchor(args, model: Path, bits: int | str, windows: Path, out: Path) -> tuple[float, float, Path]:
+    """auto-round on ``windows``; ``bits`` an int, or a GGUF preset ``gguf:q4_k_m``. Its output folder (integer) or
+    file (GGUF)."""
     python = args.venv / "bin" / "python"
     command = [str(python), str(REPO / "bench/anchors/autoround_run.py"), str(model), str(out), str(windows),
                str(bits), str(args.group_size), str(args.iters), str(args.batch_size), str(int(args.amp))]
     seconds, rss = timed(command, out.with_name(out.name + ".log"), args.threads)
+    if str(bits).startswith("gguf:"):
+        return seconds, rss, next(out.rglob("*.gguf"))  # auto-round writes OUT/<model>-gguf/<model>-<size>-<TYPE>.gguf
     written = next(p.parent for p in sorted(out.rglob("config.json")))  # auto-round writes OUT/<model>-w<bits>g<group>/
     return seconds, rss, written
 
@@ -104,6 +135,48 @@ def score(args, path: Path, model: Path) -> dict:
     return json.loads(proc.stdout)
 
 
+def llama_kld(args, gguf: Path, logits: Path, base: bool = False) -> float | None:
+    """llama.cpp's own mean KLD of ``gguf`` against the saved ``logits`` (``base``: save them from ``gguf`` over
+    ``--text`` instead, and return None)."""
+    chunks = max(1, args.max_tokens // LLAMA_CTX)
+    command = [str(tool("llama-perplexity")), "-m", str(gguf), "-c", str(LLAMA_CTX), "-b", str(LLAMA_CTX), "-t",
+               str(args.threads), "--kl-divergence-base", str(logits)]
+    command += ["-f", str(args.text), "--chunks", str(chunks)] if base else ["--kl-divergence"]
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    done = subprocess.run(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    gguf.with_name(gguf.name + ".kld.log").write_text(done.stdout)
+    found = re.search(r"^Mean\s+KLD:\s+(-?[\d.]+)", done.stdout, re.M)
+    if done.returncode != 0 or not (base or found):
+        raise SystemExit(f"llama-perplexity failed (exit {done.returncode}) on {gguf}:\n{done.stdout[-3000:]}")
+    return None if base else float(found.group(1))
+
+
+def gguf_rows(args, model: Path, tokens: Path, scratch: Path) -> None:
+    """The ``--gguf`` table: per type auto-round's GGUF export, our autoround and our gptq, scored by llama.cpp."""
+    compress = Path(sys.executable).with_name("compress")
+    f16, logits = scratch / "model-f16.gguf", scratch / "model-f16.kld"
+    subprocess.run([str(compress), "export", str(model), "-o", str(f16), "--type", "f16"], capture_output=True,
+                   check=True, cwd=scratch, env={**os.environ, "OMP_NUM_THREADS": str(args.threads)})
+    llama_kld(args, f16, logits, base=True)
+    print(f"llama.cpp's KLD against the F16 GGUF's logits: {args.max_tokens // LLAMA_CTX} windows of {LLAMA_CTX} "
+          f"tokens of {args.text.name}\n", flush=True)
+    print("| type | tool | wall s | x auto-round | peak RSS GB | x auto-round | size MB | KLD (llama.cpp) | x auto-round |"
+          "\n|---|---|---:|---:|---:|---:|---:|---:|---:|", flush=True)
+    for kind in args.gguf:
+        rows = {}
+        wall, rss, theirs = anchor(args, model, f"gguf:{kind}", tokens, scratch / f"autoround-{kind}")
+        rows["auto-round 0.16.1"] = (wall, rss, theirs)
+        for method in ("autoround", "gptq"):
+            out = scratch / f"ours-{kind}-{method}.gguf"
+            rows[f"ours {method}"] = (*ours_gguf(args, model, kind, method, out), out)
+        klds = {name: llama_kld(args, path, logits) for name, (_, _, path) in rows.items()}
+        wall_ar, rss_ar, _ = rows["auto-round 0.16.1"]
+        kld_ar = klds["auto-round 0.16.1"]
+        for name, (wall, rss, path) in rows.items():
+            print(f"| {kind} | {name} | {wall:.1f} | {wall / wall_ar:.2f} | {rss:.2f} | {rss / rss_ar:.2f} | "
+                  f"{path.stat().st_size / 1e6:.2f} | {klds[name]:.5f} | {klds[name] / kld_ar:.2f} |", flush=True)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=Path("/tmp/smollm2"))
@@ -123,6 +196,8 @@ def main() -> None:
                     help="auto-round tunes in bfloat16 (its default on a CPU); --no-amp: in float32")
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another setting of our method")
+    ap.add_argument("--gguf", nargs="+", metavar="TYPE", help="GGUF types (q4_k_m q3_k_m ...): auto-round's GGUF export, "
+                    "our autoround and gptq exports, scored by llama-perplexity --kl-divergence, instead of --bits")
     ap.add_argument("--prepare", help=argparse.SUPPRESS)  # `prepare` in its own process
     args = ap.parse_args()
     if args.prepare:
@@ -138,9 +213,12 @@ def main() -> None:
                               cwd=scratch, check=True)
         model = Path(proc.stdout.strip().splitlines()[-1])
         windows = json.loads(tokens.read_text())
-        print(f"model {model.name}, int sym g{args.group_size}, {args.iters} iters, batch {args.batch_size}, "
+        grid = f"GGUF {' '.join(args.gguf)}" if args.gguf else f"int sym g{args.group_size}"
+        print(f"model {model.name}, {grid}, {args.iters} iters, batch {args.batch_size}, "
               f"calibration {len(windows)} x {len(windows[0])}, {args.threads} threads, "
               f"auto-round {'bfloat16 (amp)' if args.amp else 'float32'}\n", flush=True)
+        if args.gguf:
+            return gguf_rows(args, model, tokens, scratch)
         print("| bits | tool | wall s | x auto-round | peak RSS GB | KLD | ppl |\n|---:|---|---:|---:|---:|---:|---:|", flush=True)
         ratios = []
         for bits in args.bits:
