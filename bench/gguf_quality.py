@@ -1,9 +1,10 @@
 """Quality of our GGUF export methods next to llama.cpp's quantizer, per type, on one model.
 
     python bench/gguf_quality.py [--model eval/assets/reference-llama] [--types q4_k q3_k q2_k iq4_xs ...]
-        [--methods llama.cpp llama.cpp+imatrix rtn imatrix gptq gptq-asymmetric awq awq-gptq] [--samples 64] [--seq-len 512]
+        [--methods llama.cpp llama.cpp+imatrix rtn imatrix gptq gptq-asymmetric gptq-rotated awq awq-gptq] [--samples 64]
+        [--seq-len 512]
         [--calib eval/assets/shakespeare-calib-slice.txt] [--text eval/assets/shakespeare-test-slice.txt]
-        [--rounded-input] [--workdir DIR] [--json PATH] [--plan sensitivity.json] [--report DIR]
+        [--ctx 512] [--max-tokens N] [--rounded-input] [--workdir DIR] [--json PATH] [--plan sensitivity.json] [--report DIR]
 
 Protocol. The model is exported once as an F16 GGUF (our exporter). Per type, every method writes one
 file in which every matrix has that type (token_embd and output included), or for llama.cpp's mixes
@@ -13,10 +14,10 @@ file in which every matrix has that type (token_embd and output included), or fo
   the built ``llama-imatrix`` on the F16 file over the first ``samples`` windows of ``seq-len`` tokens of
   the calibration text (no BOS: the file's ``add_bos_token`` is false);
 - ``rtn``, ``imatrix``, ``gptq``, ``awq``, ``awq-gptq``: ``compress export --method M`` (``gptq-asymmetric``: ``--method
-  gptq -O asymmetric=true``; the calibrated ones with
-  ``--calib TEXT --samples N --seq-len L``: ``samples`` random windows of the same text, seed 0, so the
-  same number of calibration tokens as llama-imatrix, not the same windows). Methods our CLI rejects
-  (exit status 2, e.g. not implemented yet) are skipped with a note.
+  gptq -O asymmetric=true``; ``gptq-rotated``: ``--method gptq --rotate random-hadamard``, R1 + R2 fused before the
+  grids are fitted; the calibrated ones with ``--calib TEXT --samples N --seq-len L``: ``samples`` random windows
+  of the same text, seed 0, so the same number of calibration tokens as llama-imatrix, not the same windows).
+  Methods our CLI rejects (exit status 2, e.g. not implemented yet) are skipped with a note.
 llama.cpp quantizes the F16 file, our exporter the checkpoint's own (float32) weights: with
 ``--rounded-input`` ours read a copy whose matrices are rounded to float16 instead, so every method starts from the same
 values (the baseline stays the original model).
@@ -28,7 +29,7 @@ Every file, and the F16 one as a reference, is scored by `evaluate_outputs` with
 text: windows of ``ctx`` 512 tokens (HF tokenizer, no BOS), perplexity and mean KL(HF model || GGUF).
 Bits per weight are those of the ``blk.*`` matrices as stored (``gguf_figures``); the size is the file's.
 Under the table, per type, each of our methods' KLD as a ratio to llama.cpp + imatrix's (the issue-22 target:
-ours GPTQ ≤ 0.8×).
+ours GPTQ ≤ 0.8×), and the rotated GPTQ file's KLD and size as ratios to the unrotated one's.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ from compress.eval.report import GGUFBackend, Protocol, evaluate_outputs
 from compress.eval.report_render import write_report
 from compress.formats.gguf.plan import FILE_TYPE, PRESETS, Target
 
-OURS = ["rtn", "imatrix", "gptq", "gptq-asymmetric", "awq", "awq-gptq", "gptq+plan"]
-VARIANTS = {"gptq-asymmetric": ("gptq", ["-O", "asymmetric=true"])}  # a method of our CLI with settings
+OURS = ["rtn", "imatrix", "gptq", "gptq-asymmetric", "gptq-rotated", "awq", "awq-gptq", "gptq+plan"]
+VARIANTS = {"gptq-asymmetric": ("gptq", ["-O", "asymmetric=true"]),  # a method of our CLI with settings
+            "gptq-rotated": ("gptq", ["--rotate", "random-hadamard"])}
 METHODS = ["llama.cpp", "llama.cpp+imatrix", *OURS]
 LABELS = {"llama.cpp": "llama.cpp", "llama.cpp+imatrix": "llama.cpp + imatrix", **{m: f"ours {m}" for m in OURS},
           "gptq+plan": "ours gptq, allocated"}
@@ -141,10 +143,12 @@ def write_files(setup: Setup, kinds: list[str], methods: list[str]) -> tuple[lis
 
 
 # -- scores and the table --------------------------------------------------------------------------------
-def score(rows: list[dict], model: Path, text: Path, ctx: int, report_dir: Path | None = None) -> dict:
+def score(rows: list[dict], model: Path, text: Path, ctx: int, report_dir: Path | None = None,
+          max_tokens: int | None = None) -> dict:
     """Fill each row's size, bits per weight, perplexity and KLD; returns the report's baseline and protocol.
     With ``report_dir``, also `compress report`'s files there (KLD against size, Pareto front marked)."""
-    report = evaluate_outputs([Path(r["path"]) for r in rows], model, Protocol(text, ctx=ctx), GGUFBackend.LLAMA_CPP)
+    report = evaluate_outputs([Path(r["path"]) for r in rows], model, Protocol(text, ctx=ctx, max_tokens=max_tokens),
+                              GGUFBackend.LLAMA_CPP)
     for row, scored in zip(rows, report.rows):
         row.update(size_bytes=scored.size_bytes, bits_per_weight=scored.bits_per_weight,
                    perplexity=scored.perplexity, kld=scored.kld, evaluator=scored.evaluator)
@@ -174,6 +178,12 @@ def ratios(rows: list[dict]) -> list[str]:
             continue
         parts = [f"{r['method']} {r['kld'] / anchor:.2f}x" for r in rows if r["type"] == kind and r["method"].startswith("ours")]
         lines.append(f"{kind}: KLD vs llama.cpp + imatrix: " + ", ".join(parts))
+    for kind in dict.fromkeys(r["type"] for r in rows):
+        plain, rotated = (next((r for r in rows if r["type"] == kind and r["method"] == LABELS[m]), None)
+                          for m in ("gptq", "gptq-rotated"))
+        if plain and rotated:
+            lines.append(f"{kind}: ours gptq-rotated / ours gptq: KLD {rotated['kld'] / plain['kld']:.2f}x, "
+                         f"size {rotated['size_bytes'] / plain['size_bytes']:.4f}x")
     return lines
 
 
@@ -187,6 +197,7 @@ def main() -> None:
     ap.add_argument("--samples", type=int, default=64, help="calibration windows (capped at what the text has)")
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--ctx", type=int, default=512, help="evaluation window")
+    ap.add_argument("--max-tokens", type=int, help="score only the first N tokens of the held-out text")
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp quantize/imatrix threads")
     ap.add_argument("--rounded-input", action="store_true", help="our exports read float16-rounded weights, as llama.cpp")
     ap.add_argument("--workdir", type=Path, help="keep the files here (default: a temporary folder)")
@@ -205,7 +216,7 @@ def main() -> None:
         setup.f16 = export_f16(args.model, work / "model-f16.gguf")
         rows, notes = write_files(setup, args.types, args.methods)
         rows.insert(0, {"type": "f16", "method": "ours (reference)", "path": str(setup.f16), "seconds": None})
-        summary = score(rows, args.model, args.text, args.ctx, args.report)
+        summary = score(rows, args.model, args.text, args.ctx, args.report, args.max_tokens)
     print(f"\nllama.cpp quantized the F16 GGUF; ours read {'a float16-rounded copy' if args.rounded_input else 'the checkpoint weights'}")
     print(markdown(rows, summary["baseline"]))
     for line in ratios(rows):
