@@ -160,7 +160,7 @@ class InputQuantization:
 
     def record(self) -> dict[str, Any]:
         record = super().record()
-        defaults = {"grid": WeightGrid.INT.value, "block_rows": 1, "activations": None}  # records of integer runs stay as they were
+        defaults = {"grid": WeightGrid.INT.value, "block_rows": 1, "activations": None, "full_range": False}  # records of integer runs stay as they were
         record = {k: v for k, v in record.items() if k not in defaults or v != defaults[k]}
         scheme = self.config.activation_scheme()
         if scheme is not None:
