@@ -45,6 +45,12 @@ from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.threads import one_thread
 
 
+def floored_importance(diag: torch.Tensor) -> torch.Tensor:
+    """Each input column's importance for ggml's weighted fit, ``diag`` (its mean square, up to a factor) with a floor
+    of 1e-8 of the mean, so that no column is weightless."""
+    return diag + 1e-8 * diag.mean()
+
+
 @dataclass(frozen=True)
 class GGUFGPTQConfig:
     kind: GGMLType
@@ -164,7 +170,7 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
     H.diagonal()[dead] = 1.0
     W[:, dead] = 0.0
     diag = torch.diagonal(H).clone()
-    importance = (diag + 1e-8 * diag.mean()).numpy() if config.weighted_fit else None
+    importance = floored_importance(diag).numpy() if config.weighted_fit else None
     row_sigma2 = W.square().mean(dim=1, keepdim=True).numpy()  # ggml's legacy types weigh by the row's
 
     energy_rows = proxy_loss_rows(W, H)  # tr(W H Wᵀ) by row, before the damping

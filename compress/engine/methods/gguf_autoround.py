@@ -23,6 +23,7 @@ from compress.engine.statistics import Stat
 from compress.formats.gguf.sizes import GGMLType
 from compress.quantizers.autoround import AutoRoundConfig
 from compress.quantizers.gguf_autoround import GGMLRounding, check_affine
+from compress.quantizers.gguf_gptq import floored_importance
 
 
 class GGUFAutoRoundMethodConfig(MethodConfig):
@@ -68,7 +69,7 @@ class GGUFAutoRound(AutoRound):
             importance = None
             if self.config.weighted_fit:
                 squares = stats[full][Stat.INPUT_L2].double().square()  # Σx², the imatrix's values up to 1/n
-                importance = (squares + 1e-8 * squares.mean()).float()  # no column weightless (GGUFGPTQ's floor)
+                importance = floored_importance(squares).float()
             fitted[rel] = GGMLRounding.fit(self.types[full], weights[rel], importance)
         return fitted
 
