@@ -8,7 +8,9 @@
 One row per method and setting (bits:group_size, symmetric), with the figures `compress eval ppl` reports.
 Methods that need calibration data get ``--calib``; extra method settings follow a colon (``name:key=value``).
 ``--rotations`` repeats every row after each fused rotation (`compress quantize --rotate KIND`; ``none``: without;
-``KIND+r4``: with the online R4 too, `--rotate KIND --rotate-online r4`).
+``KIND+r4``: with the online R4 too, `--rotate KIND --rotate-online r4`; ``+no-r1`` / ``+no-r2``: without the fused
+residual-stream / value rotation, the rotate stage's ``residual: false`` / ``heads: false``, e.g.
+``random-hadamard+no-r1+no-r2+r4`` for R4 alone).
 """
 
 from __future__ import annotations
@@ -47,13 +49,20 @@ def quality_parser(doc: str) -> argparse.ArgumentParser:
     return ap
 
 
+def rotate_stage(rotation: str) -> dict:
+    """The rotate stage of ``KIND[+r4][+no-r1][+no-r2]``."""
+    kind, *parts = rotation.split("+")
+    return {"method": "rotate", "kind": kind, "online": [p for p in parts if p == "r4"],
+            "residual": "no-r1" not in parts, "heads": "no-r2" not in parts}
+
+
 def main() -> None:
     ap = quality_parser(__doc__)
     ap.add_argument("--methods", default="rtn,gptq")
     ap.add_argument("--settings", default="8:128,4:-1,4:128,3:128,2:64")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
-    ap.add_argument("--rotations", default="none", help="comma-separated: none, hadamard, random-hadamard, KIND+r4")
+    ap.add_argument("--rotations", default="none", help="comma-separated: none, hadamard, random-hadamard, KIND+r4, KIND+no-r1+no-r2+r4")
     ap.add_argument("--format", default="compressed-tensors", help="output format; fake for simulated-only schemes (W4A4 int)")
     args = ap.parse_args()
     settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
@@ -67,8 +76,7 @@ def main() -> None:
             method = method_class(name)(method_class(name).Config(**options))
             needs_data = bool(method.needs or method.block_inputs)
             for (bits, group), rotation in ((s, r) for s in settings for r in args.rotations.split(",")):
-                kind, *online = rotation.split("+")
-                rotate = [] if rotation == "none" else [{"method": "rotate", "kind": kind, "online": online}]
+                rotate = [] if rotation == "none" else [rotate_stage(rotation)]
                 data = {
                     "model": args.model,
                     "stages": rotate + [{"method": name, "bits": bits, "group_size": group, **options}],

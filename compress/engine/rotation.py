@@ -26,10 +26,11 @@ def _unplaced(name: str) -> CompressError:
 
 
 class Rotator:
-    """The rotated value of each stored tensor of ``handle``: ``q [hidden, hidden]`` (R1), ``r [head_dim, head_dim]``
-    (R2) or None, ``down [b, b]`` (R4's block, ``b`` dividing the MLP's width) or None."""
+    """The rotated value of each stored tensor of ``handle``: ``q [hidden, hidden]`` (R1) or None, ``r [head_dim,
+    head_dim]`` (R2) or None, ``down [b, b]`` (R4's block, ``b`` dividing the MLP's width) or None. Without R1 the
+    residual stream, the norms and the embeddings stay as stored: no norm scale is folded."""
 
-    def __init__(self, handle: ModelHandle, layout: RotationLayout, q: torch.Tensor, r: torch.Tensor | None,
+    def __init__(self, handle: ModelHandle, layout: RotationLayout, q: torch.Tensor | None, r: torch.Tensor | None,
                  down: torch.Tensor | None = None):
         self.handle, self.layout, self.q, self.r, self.down = handle, layout, q, r, down
         self.reads = {reader: norm for norm, readers in layout.norms.items() for reader in readers}  # pattern -> norm
@@ -45,6 +46,8 @@ class Rotator:
     def tensor(self, name: str) -> torch.Tensor:
         lay, blocks = self.layout, self.handle.blocks_name + "."
         if not name.startswith(blocks):
+            if self.q is None and name in (lay.embeddings, lay.final_norm, lay.head):
+                return self.stored(name)
             if name == lay.embeddings:
                 return rotate_reader(self.stored(name), self.q)
             if name == lay.final_norm:
@@ -57,18 +60,19 @@ class Rotator:
         weight = rel.removesuffix(".bias") + ".weight" if rel.endswith(".bias") else rel
         value = self.stored(name)
         if rel in lay.norms:
-            return unit_norm(value, lay.norm_offset)
+            return value if self.q is None else unit_norm(value, lay.norm_offset)
         reader = matching(weight, self.reads)
-        if reader is not None and rel == weight:  # a reader's weight: its norm's scale, then the stream's rotation
+        if reader is not None and rel == weight and self.q is not None:  # a reader's weight: its norm's scale, then R1
             value = rotate_reader(fold_norm(value, self.stored(prefix + self.reads[reader]), lay.norm_offset), self.q)
-        elif reader is not None:  # its bias is unchanged
+        elif reader is not None:  # its bias, or its weight without R1, is unchanged
             pass
         elif matching(weight, lay.writers):  # a writer's weight or bias; the output projection's columns first take R2
             if self.r is not None and rel == lay.mixer:
                 value = rotate_head_columns(value, self.r)
             if self.down is not None and rel == lay.down:  # and the down projection's, R4
                 value = rotate_input_blocks(value, self.down)
-            value = rotate_writer(value, self.q)
+            if self.q is not None:
+                value = rotate_writer(value, self.q)
         elif rel not in lay.untouched:
             raise _unplaced(name)
         if self.r is not None and weight == lay.values:
@@ -76,7 +80,7 @@ class Rotator:
         return value
 
 
-def write_rotated(handle: ModelHandle, layout: RotationLayout, q: torch.Tensor, r: torch.Tensor | None, directory: Path,
+def write_rotated(handle: ModelHandle, layout: RotationLayout, q: torch.Tensor | None, r: torch.Tensor | None, directory: Path,
                   shard_bytes: int = 256 << 20, down: torch.Tensor | None = None,
                   extra: dict[str, torch.Tensor] | None = None) -> bool:
     """Write ``handle``'s checkpoint with the rotation fused into ``directory`` (sharded safetensors, each tensor in
@@ -87,7 +91,7 @@ def write_rotated(handle: ModelHandle, layout: RotationLayout, q: torch.Tensor, 
     names = stored_parameters(handle)
     tied = layout.head not in names
     gamma = rotator.stored(layout.final_norm)
-    keep_tied = tied and bool((gamma.double() + layout.norm_offset == 1.0).all())
+    keep_tied = tied and (q is None or bool((gamma.double() + layout.norm_offset == 1.0).all()))
     writer = ShardedWriter(directory, shard_bytes)
     if handle.names is not None:  # the checkpoint's own names (Mixtral's experts are block_sparse_moe.experts.N.w1)
         writer = RenamingWriter(writer, handle.names)

@@ -14,7 +14,7 @@ import json
 from typing import ClassVar
 
 import torch
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from compress.checkpoints.rotation_layouts import rotation_layout
 from compress.checkpoints.transforms import R4, r4_config, transform_key, with_transforms
@@ -37,11 +37,19 @@ class OnlineRotation(str, enum.Enum):
 class RotateConfig(MethodConfig):
     kind: RotationKind = Field(RotationKind.random_hadamard, description="hadamard or random-hadamard (seeded signs)")
     seed: int = Field(0, description="random-hadamard: the signs' seed (R1 from it, R2 from seed + 1)")
+    residual: bool = Field(True, description="R1: rotate the residual stream, each norm's scale folded into the layers "
+                           "that read it; false: R2 and R4 alone, no norm folded")
     heads: bool = Field(True, description="also R2: rotate each attention head's values, undone in the output projection")
     online: list[OnlineRotation] = Field(
         default_factory=list, description="online rotations, recorded as compressed-tensors transforms: r4 (each down "
         "projection's input; hadamard: Sylvester blocks of the largest power of two dividing the width; random-hadamard: "
         "the whole width, signs from seed + 2)")
+
+    @model_validator(mode="after")
+    def _something_rotated(self) -> "RotateConfig":
+        if not (self.residual or self.heads or self.online):
+            raise ValueError("residual, heads and online are all off, so nothing is rotated: keep one (e.g. online: [r4])")
+        return self
 
 
 def _matrix(kind: RotationKind, n: int, seed: int):
@@ -64,15 +72,17 @@ class Rotate(CheckpointMethod):
         config = json.loads((handle.path / "config.json").read_text())
         hidden = config["hidden_size"]
         head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-        q = _matrix(cfg.kind, hidden, cfg.seed)
+        q = _matrix(cfg.kind, hidden, cfg.seed) if cfg.residual else None
         r = _matrix(cfg.kind, head_dim, cfg.seed + 1) if cfg.heads else None
         down, extra, notes = None, {}, []
         if OnlineRotation.r4 in cfg.online:
             down, extra, note = self._r4(handle, layout, config)
             notes.append(note)
         untied = write_rotated(handle, layout, q, r, directory, down=down, extra=extra)
-        notes.insert(0, f"{cfg.kind.value} rotation of the residual stream ({hidden} wide)"
-                     + (f" and of each head's values ({head_dim} wide)" if r is not None else ""))
+        fused = ([f"the residual stream ({hidden} wide)"] if q is not None else []) + (
+            [f"each head's values ({head_dim} wide)"] if r is not None else [])
+        if fused:
+            notes.insert(0, f"{cfg.kind.value} rotation of " + " and of ".join(fused))
         if untied:
             config["tie_word_embeddings"] = False
             notes.append("the output layer is written apart from the embeddings: the final norm's scale folds into it alone")

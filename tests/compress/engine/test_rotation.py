@@ -218,6 +218,39 @@ def test_r4_keeps_the_function_where_the_online_rotation_is_applied(case, kind, 
     assert "mlp.down_proj" in scaled[0] and "mlp.down_proj" not in scaled[1]
 
 
+@pytest.mark.parametrize("heads", [True, False])
+@pytest.mark.parametrize("case", ["llama-tied", "gemma-norm-offset-tied"])
+def test_without_r1_no_norm_is_folded_and_the_function_is_kept(case, heads, tmp_path):
+    """``residual: false``: R2 and R4 alone. The stream, its norms, the embeddings and every reader of the stream are
+    stored unchanged (tied embeddings stay tied); the function is kept where R4's online half is applied."""
+    from safetensors.torch import load_file
+
+    from compress.checkpoints.loading import load_model
+
+    model = _random_model(tmp_path, CASES[case]())
+    rotated = _rotate(model, tmp_path / "rotated", kind="random-hadamard", residual=False, heads=heads, online=["r4"]).output
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    before = _logits(model, ids)
+    with torch.no_grad():
+        after = load_model(rotated, torch.device("cpu"), torch.float64)(ids).logits
+    assert (after - before).abs().max() < 1e-5 * before.abs().max()
+    old, new = load_file(model / "model.safetensors"), load_file(rotated / "model.safetensors")
+    assert json.loads((rotated / "config.json").read_text())["tie_word_embeddings"] is True and "lm_head.weight" not in new
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.1.input_layernorm.weight",
+                 "model.layers.1.self_attn.q_proj.weight", "model.layers.1.mlp.gate_proj.weight"):
+        assert torch.equal(old[name], new[name]), name
+    o_proj, v_proj = "model.layers.1.self_attn.o_proj.weight", "model.layers.1.self_attn.v_proj.weight"
+    assert torch.equal(old[o_proj], new[o_proj]) is not heads and torch.equal(old[v_proj], new[v_proj]) is not heads
+    assert not torch.equal(old["model.layers.1.mlp.down_proj.weight"], new["model.layers.1.mlp.down_proj.weight"])
+
+
+def test_a_rotation_of_nothing_is_one_line(tmp_path):
+    model = _random_model(tmp_path, CASES["llama"]())
+    with pytest.raises(CompressError, match="nothing is rotated") as caught:
+        _rotate(model, tmp_path / "rotated", residual=False, heads=False)
+    assert "\n" not in str(caught.value) and not (tmp_path / "rotated").exists()
+
+
 @pytest.mark.parametrize("stage", [None, {"method": "gptq", "bits": 4, "group_size": 16}])
 def test_transformers_and_compressed_tensors_compute_our_r4_checkpoint(stage, tmp_path, tiny_tokenizer, monkeypatch):
     """The consumer: transformers loads the checkpoint with compressed-tensors (float, or W4A16 packed) and
