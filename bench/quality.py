@@ -10,7 +10,7 @@ Methods that need calibration data get ``--calib``; extra method settings follow
 ``--rotations`` repeats every row after each fused rotation (`compress quantize --rotate KIND`; ``none``: without;
 ``KIND+r4``: with the online R4 too, `--rotate KIND --rotate-online r4`; ``+no-r1`` / ``+no-r2``: without the fused
 residual-stream / value rotation, the rotate stage's ``residual: false`` / ``heads: false``, e.g.
-``random-hadamard+no-r1+no-r2+r4`` for R4 alone).
+``random-hadamard+no-r1+no-r2+r4`` for R4 alone; ``+b16``: every rotation in blocks of 16, ``block: 16``).
 """
 
 from __future__ import annotations
@@ -50,10 +50,30 @@ def quality_parser(doc: str) -> argparse.ArgumentParser:
 
 
 def rotate_stage(rotation: str) -> dict:
-    """The rotate stage of ``KIND[+r4][+no-r1][+no-r2]``."""
+    """The rotate stage of ``KIND[+r4][+no-r1][+no-r2][+bN]``."""
     kind, *parts = rotation.split("+")
+    blocks = [int(p[1:]) for p in parts if p[:1] == "b" and p[1:].isdigit()]
     return {"method": "rotate", "kind": kind, "online": [p for p in parts if p == "r4"],
-            "residual": "no-r1" not in parts, "heads": "no-r2" not in parts}
+            "residual": "no-r1" not in parts, "heads": "no-r2" not in parts, "block": blocks[0] if blocks else None}
+
+
+def quality_row(args: argparse.Namespace, spec: str, bits: int, group: int, rotation: str, out: Path):
+    """Compress ``args.model`` with method ``spec`` (``name:key=value;...``) at ``bits``:``group`` after
+    ``rotation`` (``none``, ``KIND`` or ``KIND+r4``) into ``out`` and evaluate it on ``args.text`` (its ``EvalResult``).
+    ``args``: model, text, calib, samples, seq_len, ctx, max_tokens, format."""
+    name, options = parse_method(spec)
+    method = method_class(name)(method_class(name).Config(**options))
+    kind, *online = rotation.split("+")
+    rotate = [] if rotation == "none" else [{"method": "rotate", "kind": kind, "online": online}]
+    data = {
+        "model": args.model,
+        "stages": rotate + [{"method": name, "bits": bits, "group_size": group, **options}],
+        "output": {"path": out, "overwrite": True, "format": args.format},
+        "evaluation": {"text": args.text, "ctx": args.ctx, "max_tokens": args.max_tokens},
+    }
+    if method.needs or method.block_inputs:
+        data["calibration"] = {"path": args.calib, "samples": args.samples, "seq_len": args.seq_len}
+    return run_recipe(parse_recipe(data)).evaluation
 
 
 def main() -> None:
@@ -62,7 +82,7 @@ def main() -> None:
     ap.add_argument("--settings", default="8:128,4:-1,4:128,3:128,2:64")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
-    ap.add_argument("--rotations", default="none", help="comma-separated: none, hadamard, random-hadamard, KIND+r4, KIND+no-r1+no-r2+r4")
+    ap.add_argument("--rotations", default="none", help="comma-separated: none, hadamard, random-hadamard, KIND+r4")
     ap.add_argument("--format", default="compressed-tensors", help="output format; fake for simulated-only schemes (W4A4 int)")
     args = ap.parse_args()
     settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
@@ -72,21 +92,9 @@ def main() -> None:
     print(f"{'method':<{width}}{'rotation':<20}{'setting':<14}{'ppl':>9}{'ref ppl':>9}{'ppl +%':>9}{'mean KLD':>11}{'KLD p99':>9}{'time':>8}")
     with tempfile.TemporaryDirectory() as tmp:
         for spec in args.methods.split(","):
-            name, options = parse_method(spec)
-            method = method_class(name)(method_class(name).Config(**options))
-            needs_data = bool(method.needs or method.block_inputs)
             for (bits, group), rotation in ((s, r) for s in settings for r in args.rotations.split(",")):
-                rotate = [] if rotation == "none" else [rotate_stage(rotation)]
-                data = {
-                    "model": args.model,
-                    "stages": rotate + [{"method": name, "bits": bits, "group_size": group, **options}],
-                    "output": {"path": Path(tmp) / "out", "overwrite": True, "format": args.format},
-                    "evaluation": {"text": args.text, "ctx": args.ctx, "max_tokens": args.max_tokens},
-                }
-                if needs_data:
-                    data["calibration"] = {"path": args.calib, "samples": args.samples, "seq_len": args.seq_len}
                 start = time.perf_counter()
-                ev = run_recipe(parse_recipe(data)).evaluation
+                ev = quality_row(args, spec, bits, group, rotation, Path(tmp) / "out")
                 setting = f"w{bits} " + ("per-chan" if group == -1 else f"g{group}")
                 print(f"{spec:<{width}}{rotation:<20}{setting:<14}{ev.perplexity:>9.3f}{ev.ref_perplexity:>9.3f}"
                       f"{100 * (ev.perplexity / ev.ref_perplexity - 1):>8.2f}%{ev.kld:>11.5f}{ev.kld_p99:>9.4f}"

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import enum
 import json
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import torch
 from pydantic import Field, model_validator
@@ -40,6 +40,9 @@ class RotateConfig(MethodConfig):
     residual: bool = Field(True, description="R1: rotate the residual stream, each norm's scale folded into the layers "
                            "that read it; false: R2 and R4 alone, no norm folded")
     heads: bool = Field(True, description="also R2: rotate each attention head's values, undone in the output projection")
+    block: Optional[int] = Field(None, gt=1, description="rotate in blocks of this many channels: every rotation block-"
+                                 "diagonal (e.g. 16, NVFP4's scale group; 32, MXFP4's), so each block mixes only with "
+                                 "itself; it divides every width; r4 with hadamard: a power of two")
     online: list[OnlineRotation] = Field(
         default_factory=list, description="online rotations, recorded as compressed-tensors transforms: r4 (each down "
         "projection's input; hadamard: Sylvester blocks of the largest power of two dividing the width; random-hadamard: "
@@ -52,11 +55,16 @@ class RotateConfig(MethodConfig):
         return self
 
 
-def _matrix(kind: RotationKind, n: int, seed: int):
+def _matrix(kind: RotationKind, n: int, seed: int, block: int | None = None):
+    """The ``[n, n]`` rotation: one Hadamard of the width, or ``diag(B, …, B)`` for a ``[block, block]`` ``B``."""
+    size = n if block is None else block
+    if n % size:
+        raise CompressError(f"rotation: block {block} does not divide the width {n}: choose a block that divides it")
     try:
-        return hadamard(n) if kind is RotationKind.hadamard else random_hadamard(n, seed)
+        base = hadamard(size) if kind is RotationKind.hadamard else random_hadamard(size, seed)
     except ValueError as exc:
         raise CompressError(f"rotation: {exc}: this width cannot be rotated here") from None
+    return base if size == n else torch.block_diag(*[base] * (n // size))
 
 
 @register_method("rotate")
@@ -72,8 +80,9 @@ class Rotate(CheckpointMethod):
         config = json.loads((handle.path / "config.json").read_text())
         hidden = config["hidden_size"]
         head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
-        q = _matrix(cfg.kind, hidden, cfg.seed) if cfg.residual else None
-        r = _matrix(cfg.kind, head_dim, cfg.seed + 1) if cfg.heads else None
+        q = _matrix(cfg.kind, hidden, cfg.seed, cfg.block) if cfg.residual else None
+        head_block = cfg.block if cfg.block and cfg.block < head_dim else None
+        r = _matrix(cfg.kind, head_dim, cfg.seed + 1, head_block) if cfg.heads else None
         down, extra, notes = None, {}, []
         if OnlineRotation.r4 in cfg.online:
             down, extra, note = self._r4(handle, layout, config)
@@ -82,7 +91,8 @@ class Rotate(CheckpointMethod):
         fused = ([f"the residual stream ({hidden} wide)"] if q is not None else []) + (
             [f"each head's values ({head_dim} wide)"] if r is not None else [])
         if fused:
-            notes.insert(0, f"{cfg.kind.value} rotation of " + " and of ".join(fused))
+            blocks = f" in blocks of {cfg.block}" if cfg.block else ""
+            notes.insert(0, f"{cfg.kind.value} rotation{blocks} of " + " and of ".join(fused))
         if untied:
             config["tie_word_embeddings"] = False
             notes.append("the output layer is written apart from the embeddings: the final norm's scale folds into it alone")
@@ -95,13 +105,19 @@ class Rotate(CheckpointMethod):
             raise CompressError(f"rotate online r4: {config['model_type']}'s experts are held fused by transformers and vLLM, "
                                 "not as the Linear layers an online transform hooks: rotate without it")
         width = config["intermediate_size"]
+        if cfg.block is not None and width % cfg.block:
+            raise CompressError(f"rotation: block {cfg.block} does not divide the MLP's width {width}: choose a block that divides it")
         if cfg.kind is RotationKind.hadamard:  # compressed-tensors' deterministic hadamard: Sylvester's, powers of two
-            block = width & -width
-            h = sylvester(block)
-            head_dim, kind = (None if block == width else block), "Sylvester blocks"
-        else:
-            h = torch.sign(_matrix(cfg.kind, width, cfg.seed + 2))  # the ±1 matrix of the whole width
-            block, head_dim, kind = width, None, "one random Hadamard"
+            block = cfg.block or width & -width
+            if block & (block - 1):
+                raise CompressError(f"rotate online r4 with hadamard: block {block} is not a power of two, which "
+                                    "compressed-tensors' deterministic hadamard needs: use a power of two or random-hadamard")
+            h, kind = sylvester(block), "Sylvester blocks"
+        else:  # the ±1 matrix of the whole width, or of one block
+            block = cfg.block or width
+            h, kind = torch.sign(_matrix(cfg.kind, block, cfg.seed + 2)), ("one random Hadamard" if block == width
+                                                                          else "random Hadamard blocks")
+        head_dim = None if block == width else block
         config["quantization_config"] = with_transforms(config.get("quantization_config"), r4_config(cfg.kind.value, head_dim))
         first = f"{handle.blocks_name}.0.{layout.down.removesuffix('.weight')}"
         note = f"R4 online on each down projection's input ({kind} of {block} over {width} channels), recorded as transform_config"

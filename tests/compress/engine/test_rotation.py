@@ -244,6 +244,47 @@ def test_without_r1_no_norm_is_folded_and_the_function_is_kept(case, heads, tmp_
     assert not torch.equal(old["model.layers.1.mlp.down_proj.weight"], new["model.layers.1.mlp.down_proj.weight"])
 
 
+@pytest.mark.parametrize("kind", ["hadamard", "random-hadamard"])
+def test_block_rotations_keep_the_function_and_mix_only_within_a_block(kind, tmp_path):
+    """``block: 4``: R1, R2 and R4 block-diagonal. The function is kept (R4 applied online), and the embeddings'
+    first four columns are the stored ones times one 4 × 4 Hadamard, written out by hand."""
+    from safetensors.torch import load_file
+
+    from compress.checkpoints.loading import load_model
+    from compress.checkpoints.transforms import R4, r4_config
+
+    model = _random_model(tmp_path, CASES["llama"]())
+    rotated = _rotate(model, tmp_path / "rotated", kind=kind, block=4, online=["r4"]).output
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    before = _logits(model, ids)
+    with torch.no_grad():
+        after = load_model(rotated, torch.device("cpu"), torch.float64)(ids).logits
+    assert (after - before).abs().max() < 1e-5 * before.abs().max()
+    old, new = load_file(model / "model.safetensors"), load_file(rotated / "model.safetensors")
+    h4 = torch.tensor([[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]], dtype=torch.float64) / 2
+    embed = "model.embed_tokens.weight"
+    for start in (0, 44):
+        part = new[embed][:, start:start + 4]
+        if kind == "hadamard":
+            assert torch.allclose(part, old[embed][:, start:start + 4] @ h4, atol=1e-12)
+        else:  # each column is ± a column of the product: random signs on the same Hadamard
+            expected = old[embed][:, start:start + 4] @ h4
+            assert torch.allclose(part.abs(), expected.abs(), atol=1e-12)
+    config = json.loads((rotated / "config.json").read_text())
+    assert config["quantization_config"]["transform_config"] == r4_config(kind, 4)
+    stored = [v for k, v in new.items() if k.endswith(f"{R4}_input.weight")]
+    assert len(stored) == 1 and stored[0].shape == (4, 4) and torch.equal(stored[0].abs(), torch.ones(4, 4))
+
+
+def test_a_block_that_does_not_divide_a_width_is_one_line(tmp_path):
+    model = _random_model(tmp_path, CASES["llama"]())  # hidden 48, head 12, MLP 96
+    for settings, needle in [({"block": 5}, "block 5 does not divide the width 48"),
+                             ({"block": 12, "online": ["r4"], "kind": "hadamard"}, "block 12 is not a power of two")]:
+        with pytest.raises(CompressError, match=needle) as caught:
+            _rotate(model, tmp_path / "rotated", **settings)
+        assert "\n" not in str(caught.value) and not (tmp_path / "rotated").exists()
+
+
 def test_a_rotation_of_nothing_is_one_line(tmp_path):
     model = _random_model(tmp_path, CASES["llama"]())
     with pytest.raises(CompressError, match="nothing is rotated") as caught:
