@@ -20,6 +20,15 @@ here: the scales are ggml's (6-bit sub-block scales and mins of a float16 super-
 chosen by its encoder, so ``α``, ``β`` are empty and stay so. Codebook types (IQ4_NL, IQ4_XS: non-uniform levels) and
 the lattice types are not affine grids: `check_affine` refuses them.
 
+GPTQ start (`gptq_start`; auto-round starts at the nearest rounding): GPTQ in the type's grids
+(`compress.quantizers.gguf_gptq`) fits each block's grid to its columns as its error feedback has left them, and
+rounds each column ``W̃`` (the weight plus that feedback) to the nearest code. The start takes GPTQ's grids (read back
+from its bytes, `GGMLRounding.stored`) and ``W̃`` as the weight rounded in ``W``'s place
+(`compress.quantizers.autoround`'s ``starts``): at ``V = 0`` the codes are GPTQ's, so no steps write GPTQ's bytes,
+and ``V`` moves a code as far as it moves RTN's, to the next level where ``W̃`` lies within ``|V|`` of the rounding
+boundary. (GPTQ's decoded weight lies on the grid, every ``W₀/step + offset/step`` an integer: with no clipping
+factors to move the scales, ``V`` ∈ [−0.5, 0.5] would change no code but at a tie.)
+
 Shapes: ``w``, ``V``, ``step``, ``offset`` and codes ``[out, in]`` (``in`` a multiple of the type's block B; the
 blocks are each row's consecutive B columns, as a GGUF tensor's rows hold them); ``data [out, row_bytes]`` uint8.
 """
@@ -34,9 +43,9 @@ import torch
 from compress.errors import CompressError
 from compress.formats.gguf import grids
 from compress.formats.gguf.codecs import CODECS, decode_tensor
-from compress.formats.gguf.sizes import GGMLType
+from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType
 from compress.quantizers.autoround_grid import Params, round_ste
-from compress.quantizers.gguf_gptq import GGUFQuantResult
+from compress.quantizers.gguf_gptq import GGUFGPTQConfig, GGUFQuantResult, gguf_gptq
 
 
 def is_affine(kind: GGMLType) -> bool:
@@ -76,7 +85,18 @@ class GGMLRounding:
             imp = importance.detach().float().cpu().numpy()
             qw = np.ascontiguousarray(np.broadcast_to(imp, (out, cols)).reshape(-1, B))
             sigma2 = np.repeat(np.mean(w * w, axis=1, keepdims=True, dtype=np.float32), cols // B, axis=0)
-        grid = grids.fit(kind, blocks, qw, sigma2)
+        return cls._of(grids.fit(kind, blocks, qw, sigma2), out, cols)
+
+    @classmethod
+    def stored(cls, kind: GGMLType, data: np.ndarray) -> "GGMLRounding":
+        """The grid that a layer's bytes ``data [out, row_bytes]`` in ``kind`` are written on (`grids.stored`)."""
+        check_affine(kind, "this layer")
+        B, size = BLOCK_SIZES[kind]
+        out, cols = data.shape[0], data.shape[1] // size * B
+        return cls._of(grids.stored(kind, np.ascontiguousarray(data).reshape(-1, size)), out, cols)
+
+    @classmethod
+    def _of(cls, grid: grids.BlockGrid, out: int, cols: int) -> "GGMLRounding":
         as_tensor = lambda a: torch.from_numpy(np.ascontiguousarray(a, dtype=np.float32).reshape(out, cols))  # noqa: E731
         return cls(grid, as_tensor(grid.step), as_tensor(grid.offset))
 
@@ -110,3 +130,13 @@ class GGMLRounding:
         w32 = w.detach().float()
         rel = float(torch.linalg.vector_norm(w32 - deq) / torch.linalg.vector_norm(w32).clamp_min(1e-30))
         return GGUFQuantResult(deq, data, self.grid.kind, {"weight_rel_error": rel})
+
+
+def gptq_start(weight: torch.Tensor, hessian: torch.Tensor,
+               config: GGUFGPTQConfig) -> tuple[GGMLRounding, torch.Tensor]:
+    """GPTQ in ``config.kind``'s grids (`compress.quantizers.gguf_gptq.gguf_gptq` of ``weight [out, in]`` on
+    ``hessian [in, in]``) as the steps' start: the rounding on the grids GPTQ's bytes are written on, and the weight
+    rounded in ``weight``'s place ``[out, in]`` (float32): GPTQ's columns as it rounded them. At ``V = 0`` the codes
+    are GPTQ's."""
+    solved = gguf_gptq(weight, hessian, config)
+    return GGMLRounding.stored(config.kind, solved.data), solved.rounded

@@ -72,6 +72,9 @@ class GGUFQuantResult:
     data: np.ndarray  # [out, row_bytes] uint8 in ``kind``'s block layout
     kind: GGMLType
     stats: dict = field(default_factory=dict)
+    # [out, in] float32: GPTQ's columns as they were rounded (the error feedback of the columns before in them): an
+    # affine grid's codes are their nearest
+    rounded: torch.Tensor | None = None
 
 
 def _round_block(W1t: torch.Tensor, Err1t: torch.Tensor, U1: torch.Tensor, b: int, grid: grids.BlockGrid,
@@ -177,7 +180,7 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H
 
-    data, err_rows = _solve_columns(W, U, kind, B * math.ceil(config.block_size / B), importance, row_sigma2)
+    data, err_rows, rounded = _solve_columns(W, U, kind, B * math.ceil(config.block_size / B), importance, row_sigma2)
 
     Q = torch.from_numpy(decode_tensor(data, kind, cols))
     stats = {"damp": damp, "lambda": lam, "damp_retries": retries, "dead_columns": int(dead.sum()),
@@ -187,14 +190,15 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
         rtn_rows = proxy_loss_rows(W0 - torch.from_numpy(round_trip(W0.numpy(), kind)), hessian.detach().cpu().float())
         stats["rtn_error_rows"] = rtn_rows
         stats["rtn_rel_error"] = float(rtn_rows.sum()) / stats["energy"] if stats["energy"] > 0 else 0.0
-    return GGUFQuantResult(Q.to(weight.device), data, kind, stats)
+    return GGUFQuantResult(Q.to(weight.device), data, kind, stats, rounded.to(weight.device))
 
 
 def _solve_columns(W: torch.Tensor, U: torch.Tensor, kind: GGMLType, batch: int, importance: np.ndarray | None,
-                   row_sigma2: np.ndarray) -> tuple[np.ndarray, torch.Tensor]:
+                   row_sigma2: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
     """GPTQ's column loop over ``W [rows, in]`` with the upper inverse factor ``U``, in lazy batches of ``batch``
-    columns: the packed bytes ``[rows, row_bytes]`` and ``Σ err²`` by row (float64), the damped error of each row
-    (`compress.quantizers.gptq.factored_figures`). ``W`` is held transposed (a column per row, as the batch is).
+    columns: the packed bytes ``[rows, row_bytes]``, ``Σ err²`` by row (float64), the damped error of each row
+    (`compress.quantizers.gptq.factored_figures`), and each column's values when it was rounded ``[rows, in]`` (no
+    column changes after; a lattice group's later columns take its earlier ones' feedback after the group's point). ``W`` is held transposed (a column per row, as the batch is).
 
     On the CPU no step runs on torch's threads: the lazy update's product is cut into runs of rows, each on a thread
     of ours (`lazy_update`), as the compiled loop and the grid fits (the encoders' threads) are. After a product on
@@ -224,4 +228,4 @@ def _solve_columns(W: torch.Tensor, U: torch.Tensor, kind: GGMLType, batch: int,
             update(Wt[i2:], U[i1:i2, i2:].T, Err1t)  # lazy batch update of all later columns
             with one_thread(W.device):
                 err_rows += Err1t.square().sum(0)  # float32 over the batch's columns, float64 across batches
-    return np.concatenate(blocks, axis=1), err_rows
+    return np.concatenate(blocks, axis=1), err_rows, Wt.T

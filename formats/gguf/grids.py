@@ -6,9 +6,9 @@ with ``step`` and ``offset`` per weight. For the affine types the level is the c
 ``step = d·sc_j``, ``offset = dmin·m_j``; Q3_K: ``d·sc_j`` and ``4·d·sc_j``; Q8_0: ``d`` and 0); the
 non-uniform types (IQ4_NL, IQ4_XS) name their codebook ``LEVELS`` (the value of each code) and have no
 offset: ``x = step·LEVELS[q]``. `fit` picks the grids with the codec's own encoder (ggml's reference fit,
-or its importance-weighted fit) and reads them back from the bytes, so they are exactly what the file
-stores; ``step``/``offset`` are read off the decoder (affine: at codes 0 and 1; codebook: at the code
-whose level is 1), so no type's algebra is repeated here. `pack` writes those grids with codes chosen
+or its importance-weighted fit) and reads them back from the bytes (`stored`, which reads any blocks' grids), so
+they are exactly what the file stores; ``step``/``offset`` are read off the decoder (affine: at codes 0 and 1;
+codebook: at the code whose level is 1), so no type's algebra is repeated here. `pack` writes those grids with codes chosen
 elsewhere (GPTQ's error-feedback rounding, `compress.quantizers.gguf_gptq`).
 
 The lattice types (IQ3_S, IQ3_XXS, IQ2_XXS, IQ2_XS, IQ2_S) code a group of 4 or 8 weights at once: `LatticeGrid` holds each
@@ -115,10 +115,16 @@ def fit(
         data[part] = codec.encode_weighted(blocks[part], importance[part], row_sigma2[part]) if weighted else codec.encode(blocks[part])
 
     in_chunks(blocks.shape[0], blocks.shape[1], work, chunk_elements(kind, weighted))
+    return stored(kind, data)
+
+
+def stored(kind: GGMLType, data: np.ndarray) -> BlockGrid:
+    """The grid that blocks ``data [N, type_size]`` (uint8, a non-lattice type's) are written on: `pack` with it and
+    their own codes writes them again."""
     # the decodes on one thread: torch's threads would leave an OpenMP thread spinning on a core for a while after,
     # which the threads of GPTQ's next step (compress.quantizers.gguf_gptq) want
     with one_thread(torch.device("cpu")):
-        return _affine_grid(kind, codec.unpack(data)[0], blocks.shape)
+        return _affine_grid(kind, CODECS[kind].unpack(data)[0], (data.shape[0], block_size(kind)))
 
 
 def _affine_grid(kind: GGMLType, grid: Any, shape: tuple[int, int]) -> BlockGrid:

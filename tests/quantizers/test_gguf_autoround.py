@@ -1,6 +1,7 @@
 """Tests for compress.quantizers.gguf_autoround: no steps write the nearest codes of the type's own fit (ggml's bytes
 for the k-quants), the learned loop equals a textbook float64 SignSGD loop on the fitted grid, learning lowers the
-output error, and the written bytes decode to the weight the loss saw."""
+output error, and the written bytes decode to the weight the loss saw; from GPTQ's start (``init=gptq``) no steps
+write GGUF GPTQ's bytes and steps keep its output error or lower it."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from compress.formats.gguf import grids
 from compress.formats.gguf.codecs import CODECS, decode_tensor
 from compress.formats.gguf.sizes import GGMLType
 from compress.quantizers.autoround import AutoRoundConfig, autoround
-from compress.quantizers.gguf_autoround import GGMLRounding, is_affine
+from compress.quantizers.gguf_autoround import GGMLRounding, gptq_start, is_affine
+from compress.quantizers.gguf_gptq import GGUFGPTQConfig, gguf_gptq
 from references import one_line_error, shuffled_batches
 
 AFFINE = [GGMLType.Q4_K, GGMLType.Q3_K, GGMLType.Q6_K, GGMLType.Q2_K, GGMLType.Q4_0, GGMLType.Q8_0, GGMLType.Q5_1]
@@ -114,3 +116,44 @@ def test_codebook_and_lattice_types_are_refused_in_one_line(kind):
     assert not is_affine(kind)
     message = one_line_error(GGMLRounding.fit, kind, torch.zeros(2, 256))
     assert kind.name in message and "--method gptq or imatrix" in message
+
+
+def _hessian(xs):
+    x = torch.cat(xs).double()
+    return (2 * x.T @ x / x.shape[0]).float()
+
+
+@pytest.mark.parametrize("kind", AFFINE, ids=lambda k: k.name)
+def test_gptq_start_without_steps_writes_gguf_gptqs_bytes(kind):
+    """GPTQ's grids read back from its bytes and its columns as it rounded them: the nearest codes on those grids are
+    GPTQ's, byte for byte (the reference: `gguf_gptq`'s own file bytes)."""
+    w, xs, _ = _layer(4, width=256 if grids.block_size(kind) == 256 else 512, samples=40)
+    config = GGUFGPTQConfig(kind, compare_rtn=False)
+    want = gguf_gptq(w, _hessian(xs), config)
+    rounding, start = gptq_start(w, _hessian(xs), config)
+    forward = lambda ws, batch: torch.cat(batch) @ ws["w"].T  # noqa: E731
+    got = autoround(forward, {"w": w}, xs, [x @ w.T for x in xs], AutoRoundConfig(iters=0), {"w": rounding},
+                    {"w": start}).layers["w"]
+    assert np.array_equal(got.data, want.data) and torch.equal(got.weight, want.weight)
+    # the grids are GPTQ's: its decoded weight is on them, each value a whole number of steps above −offset
+    t = (want.weight.numpy() + rounding.offset.numpy()) / np.where(rounding.step.numpy() == 0, 1, rounding.step.numpy())
+    assert np.abs(t - np.rint(t)).max() < 1e-3
+
+
+@pytest.mark.parametrize("kind", [GGMLType.Q4_K, GGMLType.Q3_K, GGMLType.Q4_0], ids=lambda k: k.name)
+def test_steps_from_gptq_move_codes_and_keep_the_output_error_at_most_gptqs(kind):
+    """Learned from GPTQ's start on every sample at once: the first step's loss is GPTQ's output error, some step
+    moves codes (``V`` reaches GPTQ's rounding boundaries), and the kept weight's error, measured here, is at most
+    GPTQ's."""
+    w, xs, _ = _layer(5, out=8, width=256, samples=48)
+    config = GGUFGPTQConfig(kind, compare_rtn=False)
+    gptq_weight = gguf_gptq(w, _hessian(xs), config).weight
+    rounding, start = gptq_start(w, _hessian(xs), config)
+    x = torch.cat(xs)
+    error = lambda q: float(((x @ q.T - x @ w.T) ** 2).mean())  # noqa: E731
+    forward = lambda ws, batch: torch.cat(batch) @ ws["w"].T  # noqa: E731
+    config = AutoRoundConfig(iters=30, batch_size=len(xs), minmax_tuning=False)
+    result = autoround(forward, {"w": w}, xs, [x @ w.T for x in xs], config, {"w": rounding}, {"w": start})
+    assert result.losses[0] == pytest.approx(error(gptq_weight), rel=1e-5)
+    assert len(set(result.losses)) > 1
+    assert error(result.layers["w"].weight) <= error(gptq_weight) * (1 + 1e-6)

@@ -141,6 +141,11 @@ class AutoRound(Method):
         """The weights the steps start rounding from (None: the layers' own)."""
         return self._gptq_starts(selected, weights, grids, stats) if self.config.init is Start.GPTQ else None
 
+    def rounding(self, selected: dict[str, str], weights: dict, stats) -> tuple[dict, dict[str, torch.Tensor] | None]:
+        """Each selected layer's grid (`grids`) and the weights the steps start rounding from (`starts`)."""
+        grids = self.grids(selected, weights, stats)
+        return grids, self.starts(selected, weights, grids, stats)
+
     def keep_layer(self, name: str, quant, info: dict) -> None:
         """Hand the layer ``name``'s result (its grid's ``finish``) on: for the engine to pack."""
         self.keep_outcome(name, LayerOutcome(quant.weight, info, quant=quant))
@@ -155,7 +160,7 @@ class AutoRound(Method):
         selected = {relative[m]: full for full, m in layers.items()}  # relative name -> full name
         modules = {rel: block.get_submodule(rel) for rel in selected}
         weights = {rel: get_weight(m).detach().float() for rel, m in modules.items()}
-        grids = self.grids(selected, weights, stats)
+        grids, starts = self.rounding(selected, weights, stats)
         stream = replay.inputs if self.config.enable_quanted_input else replay.reference.inputs
         inputs = _windows(stream)
         targets = [call[0] for call in _windows([(y, (), {}) for y in replay.reference.outputs()])]
@@ -169,7 +174,6 @@ class AutoRound(Method):
             hidden, args, kwargs = _graph_ready(_joined(calls) if len(calls) > 1 else calls[0])
             return block_output(functional_call(block, swapped, (hidden, *args), kwargs))
 
-        starts = self.starts(selected, weights, grids, stats)
         result = autoround(forward, weights, inputs, targets, self.config.core(), grids, starts)
         reports = []
         with torch.no_grad():

@@ -7,8 +7,10 @@ Each layer's grid is the type's own fit of its float weight, importance-weighted
 (``weighted_fit``, what llama.cpp's imatrix holds) or plain; then only the rounding offsets are learned: ggml's
 encoder sets the scales, so auto-round's min/max tuning does not apply. Every layer's bytes are kept in ``encoded``
 for the GGUF writer, as `compress.engine.methods.gguf.GGUFGPTQ` keeps GPTQ's, and the layer is set to their decode,
-so the next block fits on the quantized model's stream. The output layer and the token embeddings (tied or not)
-are not decoder-block layers: the writer rounds them with ggml's encoder.
+so the next block fits on the quantized model's stream. ``init=gptq`` starts the steps from GPTQ in the GGML grids
+(`compress.quantizers.gguf_autoround.gptq_start`) on each layer's Hessian of the block's inputs, which the method then
+asks the engine for: GPTQ's grids and codes, so no steps write GPTQ's bytes. The output layer and the token
+embeddings (tied or not) are not decoder-block layers: the writer rounds them with ggml's encoder.
 """
 
 from __future__ import annotations
@@ -17,13 +19,14 @@ import numpy as np
 import torch
 from pydantic import Field
 
-from compress.engine.methods.autoround import AutoRound
+from compress.engine.methods.autoround import AutoRound, Start
 from compress.engine.methods.base import MethodConfig
 from compress.engine.statistics import Stat
 from compress.formats.gguf.sizes import GGMLType
+from compress.errors import CompressError
 from compress.quantizers.autoround import AutoRoundConfig
-from compress.quantizers.gguf_autoround import GGMLRounding, check_affine
-from compress.quantizers.gguf_gptq import floored_importance
+from compress.quantizers.gguf_autoround import GGMLRounding, check_affine, gptq_start
+from compress.quantizers.gguf_gptq import GGUFGPTQConfig, floored_importance
 
 
 class GGUFAutoRoundMethodConfig(MethodConfig):
@@ -36,7 +39,12 @@ class GGUFAutoRoundMethodConfig(MethodConfig):
     not_use_best_mse: bool = Field(False, description="keep the last step's rounding instead of the lowest-loss step's")
     seed: int = Field(0, description="order of the calibration windows over the steps")
     weighted_fit: bool = Field(True, description="fit each layer's GGML grid with its inputs' mean squares as importance "
-                                                 "(the imatrix's values); false: ggml's plain fit")
+                                                 "(the imatrix's values; init=gptq: diag(H), as GPTQ's); "
+                                                 "false: ggml's plain fit")
+    init: Start = Field(Start.RTN, description="rounding the steps start from: rtn (ggml's nearest on the fitted grids) "
+                                               "or gptq (GPTQ in the GGML grids, from each layer's Hessian: its grids "
+                                               "and codes)")
+    damp: float = Field(0.01, gt=0, description="with init=gptq: GPTQ's damping, λ = damp · mean(diag H)")
 
     def core(self) -> AutoRoundConfig:
         return AutoRoundConfig(self.iters, self.lr, None, self.batch_size, minmax_tuning=False,
@@ -57,6 +65,8 @@ class GGUFAutoRound(AutoRound):
 
     @property
     def needs(self) -> frozenset[Stat]:
+        if self.config.init is Start.GPTQ:
+            return frozenset({Stat.HESSIAN})  # GPTQ's weighted fits take diag(H) as the importance
         return frozenset({Stat.INPUT_L2}) if self.config.weighted_fit else frozenset()
 
     def check_layer(self, name: str, out_features: int, in_features: int) -> None:
@@ -75,6 +85,22 @@ class GGUFAutoRound(AutoRound):
 
     def starts(self, selected, weights, grids, stats) -> None:
         return None  # the steps start at ggml's nearest rounding on the fitted grids
+
+    def rounding(self, selected: dict[str, str], weights: dict, stats) -> tuple[dict, dict[str, torch.Tensor] | None]:
+        """init=gptq: each layer's GPTQ in its type's grids (`gptq_start`): GPTQ's grids, and its columns as it rounded
+        them as the start. The Hessians are those of the block's inputs, one pass per block (GPTQ's
+        ``true_sequential=false``)."""
+        if self.config.init is not Start.GPTQ:
+            return super().rounding(selected, weights, stats)
+        grids, starts = {}, {}
+        for rel, full in selected.items():
+            config = GGUFGPTQConfig(self.types[full], damp=self.config.damp, weighted_fit=self.config.weighted_fit,
+                                    compare_rtn=False)
+            try:
+                grids[rel], starts[rel] = gptq_start(weights[rel], stats[full][Stat.HESSIAN], config)
+            except ValueError as exc:
+                raise CompressError(f"autoround's GPTQ start failed on {full}: {exc}") from None
+        return grids, starts
 
     def keep_layer(self, name: str, quant, info: dict) -> None:
         self.encoded[name] = (quant.kind, quant.data)

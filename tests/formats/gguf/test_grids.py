@@ -63,6 +63,19 @@ def test_importance_fit_is_the_weighted_encoders_grid(kind):
     np.testing.assert_array_equal(grids.pack(grid, codes), weighted)  # same grid: same bytes with its codes
 
 
+@pytest.mark.parametrize("kind", QUANTIZED, ids=lambda k: k.name)
+def test_stored_grid_writes_the_bytes_again_with_their_codes(kind):
+    """Bytes of a fitted grid with random codes: the grid `stored` reads from them and the codec's own unpacked codes
+    pack to the same bytes, and the codec decodes them to that grid's ``step·level(q) − offset``."""
+    x = blocks_of(kind, seed=3)
+    fitted = grids.fit(kind, x)
+    data = grids.pack(fitted, np.random.default_rng(2).integers(fitted.lo, fitted.hi + 1, size=x.shape))
+    grid = grids.stored(kind, data)
+    codes = CODECS[kind].unpack(data)[1].astype(np.int64)
+    assert np.array_equal(grids.pack(grid, codes), data)
+    np.testing.assert_allclose(CODECS[kind].decode(data), grid.values(codes), rtol=1e-6, atol=1e-7)
+
+
 def test_codes_out_of_range_are_refused():
     x = blocks_of(GGMLType.Q4_K)
     grid = grids.fit(GGMLType.Q4_K, x)

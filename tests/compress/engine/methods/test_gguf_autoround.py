@@ -1,7 +1,8 @@
 """AutoRound in the GGML block grids (`compress.engine.methods.gguf_autoround`) through ``compress export --method
 autoround``, judged by the written files: no steps on ggml's plain fit write ggml's own bytes, learned rounding
 changes exactly the decoder-block matrices and brings the file closer to the float model for transformers' GGUF
-loader and llama.cpp, and the types without an affine grid are refused before any calibration."""
+loader and llama.cpp, the types without an affine grid are refused before any calibration, and from GPTQ's start
+(``init=gptq``) no steps write GGUF GPTQ's file."""
 
 from __future__ import annotations
 
@@ -97,4 +98,33 @@ def test_a_codebook_type_is_refused_before_calibrating(tmp_path):
     assert result.exit_code == 2
     message = result.stderr.strip()
     assert "\n" not in message and "IQ4_XS" in message and "--method gptq or imatrix" in message
+    assert not out.exists()
+
+
+def test_gptq_start_without_steps_writes_gptqs_file(tmp_path):
+    """``-O init=gptq`` with no steps is GGUF GPTQ on the Hessians of one pass per block (``true_sequential=false``),
+    the output layer left to ggml's rounding: the two files are equal tensor by tensor (Q4_K and Q6_K in q4_k_m).
+    A few steps change the decoder-block matrices and nothing else."""
+    model = truncate_checkpoint(REFERENCE_MODEL, tmp_path / "one-block", blocks=1)
+    gptq = export(model, tmp_path / "gptq.gguf", "q4_k_m", "--method", "gptq", *CALIB, "-O", "true_sequential=false",
+                  "-O", "output_layer=false")
+    start = export(model, tmp_path / "start.gguf", "q4_k_m", "--method", "autoround", *CALIB, "-O", "init=gptq",
+                   "-O", "iters=0")
+    steps = export(model, tmp_path / "steps.gguf", "q4_k_m", "--method", "autoround", *CALIB, "-O", "init=gptq",
+                   "-O", "iters=20", "-O", "batch_size=4")
+    assert gptq.exit_code == 0 and start.exit_code == 0 and steps.exit_code == 0, (start.output, steps.output)
+    want, got, learned = (tensors(tmp_path / f"{n}.gguf") for n in ("gptq", "start", "steps"))
+    assert want.keys() == got.keys() == learned.keys()
+    assert {want[n][0] for n in want if n.startswith("blk.") and "norm" not in n} == {"Q4_K", "Q6_K"}
+    assert [n for n in want if not (want[n][0] == got[n][0] and np.array_equal(want[n][1], got[n][1]))] == []
+    changed = {n for n in want if not np.array_equal(want[n][1], learned[n][1])}
+    assert changed == {n for n in want if n.startswith("blk.") and n.endswith(".weight") and "norm" not in n}
+
+
+def test_a_bad_start_is_one_line(tmp_path):
+    out = tmp_path / "m.gguf"
+    result = export(REFERENCE_MODEL, out, "q4_k_m", "--method", "autoround", *CALIB, "-O", "init=awq")
+    assert result.exit_code == 2
+    message = result.stderr.strip()
+    assert "\n" not in message and "init" in message and "'rtn' or 'gptq'" in message
     assert not out.exists()
