@@ -3,7 +3,7 @@
     python bench/autoround_quality.py [--model /tmp/smollm2] [--blocks N] [--bits 4 3 2] [--group-size 64]
                                       [--iters 200] [--batch-size 8] [--calib FILE --samples 32 --seq-len 512]
                                       [--text FILE --max-tokens 4096] [--threads 2] [--amp | --no-amp]
-                                      [--set KEY=VALUE ...] [--gguf q4_k_m q3_k_m]
+                                      [--set KEY=VALUE ...] [--gguf q4_k_m q3_k_m [--ours autoround gptq ...]]
 
 For each bit width, symmetric integer weights in groups of ``--group-size``: our ``compress quantize --method
 autoround -O iters=N -O batch_size=B`` and auto-round (``AutoRound(..., iters=N, batch_size=B)`` then
@@ -25,7 +25,9 @@ bit width, and ours / auto-round ratios.
 ``--gguf TYPE ...`` (llama.cpp mixes such as q4_k_m, q3_k_m) writes GGUF files instead of the integer rows, three
 per type: auto-round's own GGUF export (scheme ``GGUF:Q4_K_M``, ``quantize_and_save(format="gguf:q4_k_m")``, same
 windows, iters, batch size and ``--amp``), our ``compress export --type TYPE --method autoround -O iters=N -O
-batch_size=B`` and our ``--method gptq`` of the same type, both with ``--calib --samples --seq-len``. llama.cpp scores
+batch_size=B`` and our ``--method gptq`` of the same type, both with ``--calib --samples --seq-len``. ``--ours``
+names our exports, each ``METHOD[:KEY=VALUE,...]`` (its ``-O`` settings; autoround's after ``--iters``,
+``--batch-size`` and ``--set``), e.g. ``--ours autoround autoround:init=gptq gptq``. llama.cpp scores
 each: ``llama-perplexity --kl-divergence`` (bench/llama_cpp_tools.py) against the logits of the model's F16 GGUF
 (``compress export --type f16``) saved by ``--kl-divergence-base`` over the first ``--max-tokens`` of ``--text`` in
 windows of 512 tokens (llama.cpp scores the second half of each window). Prints type, tool, wall, peak RSS, file
@@ -87,11 +89,14 @@ def ours(args, model: Path, bits: int, out: Path) -> tuple[float, float]:
     return timed(command, out.with_name(out.name + ".log"), args.threads)
 
 
-def ours_gguf(args, model: Path, kind: str, method: str, out: Path) -> tuple[float, float]:
-    """``compress export --type kind --method method`` (autoround with auto-round's iters and batch size)."""
+def ours_gguf(args, model: Path, kind: str, spec: str, out: Path) -> tuple[float, float]:
+    """``compress export --type kind --method METHOD`` of ``spec`` (``METHOD[:KEY=VALUE,...]``; autoround with
+    auto-round's iters and batch size, then the spec's settings)."""
     compress = Path(sys.executable).with_name("compress")
+    method, _, settings = spec.partition(":")
+    extra = [arg for item in settings.split(",") if item for arg in ("-O", item)]
     command = [str(compress), "export", str(model), "-o", str(out), "--type", kind, "--method", method,
-               *calibration(args), *(autoround_settings(args) if method == "autoround" else [])]
+               *calibration(args), *(autoround_settings(args) if method == "autoround" else []), *extra]
     return timed(command, out.with_name(out.name + ".log"), args.threads)
 
 
@@ -152,7 +157,7 @@ def llama_kld(args, gguf: Path, logits: Path, base: bool = False) -> float | Non
 
 
 def gguf_rows(args, model: Path, tokens: Path, scratch: Path) -> None:
-    """The ``--gguf`` table: per type auto-round's GGUF export, our autoround and our gptq, scored by llama.cpp."""
+    """The ``--gguf`` table: per type auto-round's GGUF export and ours (``--ours``), scored by llama.cpp."""
     compress = Path(sys.executable).with_name("compress")
     f16, logits = scratch / "model-f16.gguf", scratch / "model-f16.kld"
     subprocess.run([str(compress), "export", str(model), "-o", str(f16), "--type", "f16"], capture_output=True,
@@ -166,9 +171,9 @@ def gguf_rows(args, model: Path, tokens: Path, scratch: Path) -> None:
         rows = {}
         wall, rss, theirs = anchor(args, model, f"gguf:{kind}", tokens, scratch / f"autoround-{kind}")
         rows["auto-round 0.16.1"] = (wall, rss, theirs)
-        for method in ("autoround", "gptq"):
-            out = scratch / f"ours-{kind}-{method}.gguf"
-            rows[f"ours {method}"] = (*ours_gguf(args, model, kind, method, out), out)
+        for number, spec in enumerate(args.ours):
+            out = scratch / f"ours-{kind}-{number}.gguf"
+            rows[f"ours {spec}"] = (*ours_gguf(args, model, kind, spec, out), out)
         klds = {name: llama_kld(args, path, logits) for name, (_, _, path) in rows.items()}
         wall_ar, rss_ar, _ = rows["auto-round 0.16.1"]
         kld_ar = klds["auto-round 0.16.1"]
@@ -198,6 +203,8 @@ def main() -> None:
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another setting of our method")
     ap.add_argument("--gguf", nargs="+", metavar="TYPE", help="GGUF types (q4_k_m q3_k_m ...): auto-round's GGUF export, "
                     "our autoround and gptq exports, scored by llama-perplexity --kl-divergence, instead of --bits")
+    ap.add_argument("--ours", nargs="+", default=["autoround", "gptq"], metavar="METHOD[:KEY=VALUE,...]",
+                    help="with --gguf: our exports, each a method and its -O settings (autoround:init=gptq)")
     ap.add_argument("--prepare", help=argparse.SUPPRESS)  # `prepare` in its own process
     args = ap.parse_args()
     if args.prepare:
