@@ -59,12 +59,11 @@ def rotate_stage(rotation: str) -> dict:
 
 def quality_row(args: argparse.Namespace, spec: str, bits: int, group: int, rotation: str, out: Path):
     """Compress ``args.model`` with method ``spec`` (``name:key=value;...``) at ``bits``:``group`` after
-    ``rotation`` (``none``, ``KIND`` or ``KIND+r4``) into ``out`` and evaluate it on ``args.text`` (its ``EvalResult``).
-    ``args``: model, text, calib, samples, seq_len, ctx, max_tokens, format."""
+    ``rotation`` (``none`` or `rotate_stage`'s ``KIND[+r4][+no-r1][+no-r2][+bN]``) into ``out`` and evaluate it on
+    ``args.text`` (its ``EvalResult``). ``args``: model, text, calib, samples, seq_len, ctx, max_tokens, format."""
     name, options = parse_method(spec)
     method = method_class(name)(method_class(name).Config(**options))
-    kind, *online = rotation.split("+")
-    rotate = [] if rotation == "none" else [{"method": "rotate", "kind": kind, "online": online}]
+    rotate = [] if rotation == "none" else [rotate_stage(rotation)]
     data = {
         "model": args.model,
         "stages": rotate + [{"method": name, "bits": bits, "group_size": group, **options}],
@@ -82,7 +81,8 @@ def main() -> None:
     ap.add_argument("--settings", default="8:128,4:-1,4:128,3:128,2:64")
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
-    ap.add_argument("--rotations", default="none", help="comma-separated: none, hadamard, random-hadamard, KIND+r4")
+    ap.add_argument("--rotations", default="none",
+                    help="comma-separated: none, hadamard, random-hadamard, KIND+r4, KIND+no-r1+no-r2+r4, KIND+b16")
     ap.add_argument("--format", default="compressed-tensors", help="output format; fake for simulated-only schemes (W4A4 int)")
     args = ap.parse_args()
     settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]
