@@ -279,17 +279,23 @@ def _setting(item: str) -> tuple[str, object]:
     return key, yaml.safe_load(value)
 
 
+def anchor_python(venv: Path = ANCHOR_VENV) -> Path:
+    """The interpreter of llm-compressor 0.14's venv, built on first use."""
+    python = venv / "bin" / "python"
+    if not python.exists():
+        print(f"building llm-compressor 0.14's environment in {venv} (first use)", flush=True)
+        subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "llmcompressor==0.14.0"], check=True)
+    return python
+
+
 def anchor(args, model: Path, out: Path, scratch: Path) -> tuple[float, float]:
     """llm-compressor's wall time on the same windows and its process's peak RSS in GB (its venv is built on first
     use)."""
     from compress.checkpoints.calibration import load_calibration
     from compress.checkpoints.loading import load_tokenizer
 
-    python = ANCHOR_VENV / "bin" / "python"
-    if not python.exists():
-        print(f"building llm-compressor 0.14's environment in {ANCHOR_VENV} (first use)", flush=True)
-        subprocess.run([sys.executable, "-m", "venv", str(ANCHOR_VENV)], check=True)
-        subprocess.run([str(python), "-m", "pip", "install", "-q", "torch==2.13.0", "llmcompressor==0.14.0"], check=True)
+    python = anchor_python()
     windows = load_calibration(args.calib, load_tokenizer(model), args.samples, args.seq_len)
     tokens = scratch / "windows.json"
     tokens.write_text(json.dumps(windows.tolist()))
