@@ -8,7 +8,8 @@
 One row per method and setting (bits:group_size, symmetric), with the figures `compress eval ppl` reports.
 Methods that need calibration data get ``--calib``; extra method settings follow a colon (``name:key=value``).
 ``--rotations`` repeats every row after each fused rotation (`compress quantize --rotate KIND`; ``none``: without;
-``KIND+r4``: with the online R4 too, `--rotate KIND --rotate-online r4`; ``+no-r1`` / ``+no-r2``: without the fused
+``KIND+r4``: with the online R4 too, `--rotate KIND --rotate-online r4` (``+inputs``: every linear layer's input
+online, `--rotate-online inputs`); ``+no-r1`` / ``+no-r2``: without the fused
 residual-stream / value rotation, the rotate stage's ``residual: false`` / ``heads: false``, e.g.
 ``random-hadamard+no-r1+no-r2+r4`` for R4 alone; ``+b16``: every rotation in blocks of 16, ``block: 16``).
 """
@@ -50,10 +51,10 @@ def quality_parser(doc: str) -> argparse.ArgumentParser:
 
 
 def rotate_stage(rotation: str) -> dict:
-    """The rotate stage of ``KIND[+r4][+no-r1][+no-r2][+bN]``."""
+    """The rotate stage of ``KIND[+r4|+inputs][+no-r1][+no-r2][+bN]``."""
     kind, *parts = rotation.split("+")
     blocks = [int(p[1:]) for p in parts if p[:1] == "b" and p[1:].isdigit()]
-    return {"method": "rotate", "kind": kind, "online": [p for p in parts if p == "r4"],
+    return {"method": "rotate", "kind": kind, "online": [p for p in parts if p in ("r4", "inputs")],
             "residual": "no-r1" not in parts, "heads": "no-r2" not in parts, "block": blocks[0] if blocks else None}
 
 

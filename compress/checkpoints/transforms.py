@@ -30,6 +30,7 @@ from compress.formats.compressed_tensors import CT_VERSION
 from compress.quantizers.rotation import online_rotation
 
 R4 = "R4"  # SpinQuant's name for the rotation of the down projection's input
+INPUTS = "V"  # QuIP's name for the rotation of every linear layer's input
 DOWN_PROJ = "re:.*down_proj$"  # llm-compressor's SpinQuant mapping of the MLP's output layer
 ONLINE_ATTR = "online_input_transform"  # set on a module whose input is transformed at run time
 PRECISION = "torch.float32"  # compressed-tensors' default TransformScheme precision, as it serializes it
@@ -39,12 +40,18 @@ TYPES = ("hadamard", "random-hadamard")  # transforms H / √b with a stored ±1
 def r4_config(transform_type: str, head_dim: int | None, target: str = DOWN_PROJ) -> dict[str, Any]:
     """The ``transform_config`` of an R4 rotation: ``TransformConfig(config_groups={"R4": TransformScheme(...)})``
     dumped as compressed-tensors dumps it (online on the input, its inverse fused into the weight)."""
+    return input_rotation_config(R4, transform_type, head_dim, [target])
+
+
+def input_rotation_config(scheme_name: str, transform_type: str, head_dim: int | None, targets: list[str]) -> dict[str, Any]:
+    """The ``transform_config`` of one scheme rotating ``targets``' inputs online, its inverse fused into their
+    weights, dumped as compressed-tensors dumps a ``TransformConfig``."""
     def args(location: str, inverse: bool) -> dict[str, Any]:
-        return {"targets": [target], "location": location, "inverse": inverse, "ignore": []}
+        return {"targets": list(targets), "location": location, "inverse": inverse, "ignore": []}
 
     scheme = {"type": transform_type, "apply": [args("input", False), args("weight_input", True)], "randomize": False,
               "requires_grad": False, "head_dim": head_dim, "precision": PRECISION}
-    return {"config_groups": {R4: scheme}}
+    return {"config_groups": {scheme_name: scheme}}
 
 
 def transform_config(config: dict[str, Any]) -> dict[str, Any] | None:

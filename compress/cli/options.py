@@ -53,5 +53,5 @@ ROTATE_OPT = typer.Option(
 )
 ROTATE_ONLINE_OPT = typer.Option(
     [], "--rotate-online",
-    help="With --rotate: also an online rotation, applied at run time and recorded as a compressed-tensors transform: r4 (each down projection's input).",
+    help="With --rotate: also an online rotation, applied at run time and recorded as a compressed-tensors transform: r4 (each down projection's input) or inputs (every linear layer's input, as QuIP).",
 )

@@ -1,6 +1,7 @@
 """A checkpoint with a rotation fused into its weights (`compress.quantizers.rotation`), written tensor by tensor:
 R1 on the residual stream (every norm's scale folded into the layers that read it), R2 on each head's values, and
-the offline half of R4 (each down projection's weight times the block rotation its input takes at run time).
+the offline half of each online rotation (R4: each down projection's weight; inputs: every linear layer's, times the
+block rotation its input takes at run time).
 Which tensor plays which part is the architecture's `RotationLayout`; a tensor it does not name is an error,
 never silently copied."""
 
@@ -27,12 +28,13 @@ def _unplaced(name: str) -> CompressError:
 
 class Rotator:
     """The rotated value of each stored tensor of ``handle``: ``q [hidden, hidden]`` (R1) or None, ``r [head_dim,
-    head_dim]`` (R2) or None, ``down [b, b]`` (R4's block, ``b`` dividing the MLP's width) or None. Without R1 the
-    residual stream, the norms and the embeddings stay as stored: no norm scale is folded."""
+    head_dim]`` (R2) or None, ``online``: block weight name -> ``M [b, b]``, the block of a rotation its input takes at
+    run time (``b`` dividing its input width; R4 names the down projection), fused as ``W · diag(M, …, M)``. Without
+    R1 the residual stream, the norms and the embeddings stay as stored: no norm scale is folded."""
 
     def __init__(self, handle: ModelHandle, layout: RotationLayout, q: torch.Tensor | None, r: torch.Tensor | None,
-                 down: torch.Tensor | None = None):
-        self.handle, self.layout, self.q, self.r, self.down = handle, layout, q, r, down
+                 online: dict[str, torch.Tensor] | None = None):
+        self.handle, self.layout, self.q, self.r, self.online = handle, layout, q, r, online or {}
         self.reads = {reader: norm for norm, readers in layout.norms.items() for reader in readers}  # pattern -> norm
 
     def stored(self, name: str) -> torch.Tensor:
@@ -69,25 +71,25 @@ class Rotator:
         elif matching(weight, lay.writers):  # a writer's weight or bias; the output projection's columns first take R2
             if self.r is not None and rel == lay.mixer:
                 value = rotate_head_columns(value, self.r)
-            if self.down is not None and rel == lay.down:  # and the down projection's, R4
-                value = rotate_input_blocks(value, self.down)
             if self.q is not None:
                 value = rotate_writer(value, self.q)
         elif rel not in lay.untouched:
             raise _unplaced(name)
         if self.r is not None and weight == lay.values:
             value = rotate_head_rows(value, self.r)
+        if rel in self.online:  # last: the input the layer sees at run time is the fused rotations' output times M
+            value = rotate_input_blocks(value, self.online[rel])
         return value
 
 
 def write_rotated(handle: ModelHandle, layout: RotationLayout, q: torch.Tensor | None, r: torch.Tensor | None, directory: Path,
-                  shard_bytes: int = 256 << 20, down: torch.Tensor | None = None,
+                  shard_bytes: int = 256 << 20, online: dict[str, torch.Tensor] | None = None,
                   extra: dict[str, torch.Tensor] | None = None) -> bool:
     """Write ``handle``'s checkpoint with the rotation fused into ``directory`` (sharded safetensors, each tensor in
     its stored dtype), and the ``extra`` tensors (an online transform's matrix). Returns whether it untied the output
     layer from the embeddings: the output layer is the embeddings times the final norm's scale, so it is written on
     its own unless that scale is 1 (then both stay one tensor, the rotated embeddings)."""
-    rotator = Rotator(handle, layout, q, r, down)
+    rotator = Rotator(handle, layout, q, r, online)
     names = stored_parameters(handle)
     tied = layout.head not in names
     gamma = rotator.stored(layout.final_norm)

@@ -10,14 +10,17 @@ Algorithms: `compress.quantizers.hadamard`, `compress.quantizers.rotation`; the 
 from __future__ import annotations
 
 import enum
+import functools
 import json
+import math
+import re
 from typing import ClassVar, Optional
 
 import torch
 from pydantic import Field, model_validator
 
 from compress.checkpoints.rotation_layouts import rotation_layout
-from compress.checkpoints.transforms import R4, r4_config, transform_key, with_transforms
+from compress.checkpoints.transforms import DOWN_PROJ, INPUTS, R4, input_rotation_config, transform_key, with_transforms
 from compress.engine.methods.base import CheckpointMethod, MethodConfig, Rewritten
 from compress.engine.registry import register_method
 from compress.engine.rotation import write_rotated
@@ -32,6 +35,7 @@ class RotationKind(str, enum.Enum):
 
 class OnlineRotation(str, enum.Enum):
     r4 = "r4"  # a Hadamard on each down projection's input, at run time (SpinQuant's R4)
+    inputs = "inputs"  # a block Hadamard on every linear layer's input, at run time (QuIP's V, llm-compressor's QuIPModifier)
 
 
 class RotateConfig(MethodConfig):
@@ -46,12 +50,15 @@ class RotateConfig(MethodConfig):
     online: list[OnlineRotation] = Field(
         default_factory=list, description="online rotations, recorded as compressed-tensors transforms: r4 (each down "
         "projection's input; hadamard: Sylvester blocks of the largest power of two dividing the width; random-hadamard: "
-        "the whole width, signs from seed + 2)")
+        "the whole width, signs from seed + 2); inputs (every linear layer's input, in blocks of the widths' common "
+        "divisor, its largest power of two for hadamard; random-hadamard signs from seed + 3)")
 
     @model_validator(mode="after")
     def _something_rotated(self) -> "RotateConfig":
         if not (self.residual or self.heads or self.online):
             raise ValueError("residual, heads and online are all off, so nothing is rotated: keep one (e.g. online: [r4])")
+        if set(self.online) == {OnlineRotation.r4, OnlineRotation.inputs} or len(set(self.online)) < len(self.online):
+            raise ValueError("online inputs rotates the down projections' inputs too: give r4 or inputs, once")
         return self
 
 
@@ -83,11 +90,12 @@ class Rotate(CheckpointMethod):
         q = _matrix(cfg.kind, hidden, cfg.seed, cfg.block) if cfg.residual else None
         head_block = cfg.block if cfg.block and cfg.block < head_dim else None
         r = _matrix(cfg.kind, head_dim, cfg.seed + 1, head_block) if cfg.heads else None
-        down, extra, notes = None, {}, []
-        if OnlineRotation.r4 in cfg.online:
-            down, extra, note = self._r4(handle, layout, config)
+        online, extra, notes = {}, {}, []
+        for which in cfg.online:
+            fused, stored, note = self._online(handle, layout, config, which)
+            online, extra = {**online, **fused}, {**extra, **stored}
             notes.append(note)
-        untied = write_rotated(handle, layout, q, r, directory, down=down, extra=extra)
+        untied = write_rotated(handle, layout, q, r, directory, online=online, extra=extra)
         fused = ([f"the residual stream ({hidden} wide)"] if q is not None else []) + (
             [f"each head's values ({head_dim} wide)"] if r is not None else [])
         if fused:
@@ -98,27 +106,42 @@ class Rotate(CheckpointMethod):
             notes.append("the output layer is written apart from the embeddings: the final norm's scale folds into it alone")
         return Rewritten(config, self.record(), notes)
 
-    def _r4(self, handle, layout, config: dict) -> tuple[torch.Tensor, dict[str, torch.Tensor], str]:
-        """R4's normalized block (fused), its stored ±1 matrix, and ``config`` with the transform recorded."""
+    def _online(self, handle, layout, config: dict, which: OnlineRotation) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], str]:
+        """The online rotation ``which``: its normalized block by the weight it fuses into, its stored ±1 matrix,
+        and a note; ``config`` gets the transform recorded."""
         cfg = self.config
         if layout.down is None:
-            raise CompressError(f"rotate online r4: {config['model_type']}'s experts are held fused by transformers and vLLM, "
-                                "not as the Linear layers an online transform hooks: rotate without it")
-        width = config["intermediate_size"]
-        if cfg.block is not None and width % cfg.block:
-            raise CompressError(f"rotation: block {cfg.block} does not divide the MLP's width {width}: choose a block that divides it")
+            raise CompressError(f"rotate online {which.value}: {config['model_type']}'s experts are held fused by transformers "
+                                "and vLLM, not as the Linear layers an online transform hooks: rotate without it")
+        if which is OnlineRotation.r4:
+            weights, scheme, target, what = [layout.down], R4, DOWN_PROJ, "each down projection's input"
+            widths = [config["intermediate_size"]]
+        else:
+            weights = [w for readers in layout.norms.values() for w in readers] + list(layout.writers)
+            scheme, what = INPUTS, "every linear layer's input"
+            target = "re:.*\\.(" + "|".join(re.escape(w.removesuffix(".weight")) for w in weights) + ")$"
+            heads = config["num_attention_heads"] * (config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
+            widths = sorted({config["hidden_size"], heads, config["intermediate_size"]})
+        common = functools.reduce(math.gcd, widths)
+        if cfg.block is not None and common % cfg.block:
+            raise CompressError(f"rotation: block {cfg.block} does not divide the width {next(w for w in widths if w % cfg.block)}: "
+                                "choose a block that divides it")
         if cfg.kind is RotationKind.hadamard:  # compressed-tensors' deterministic hadamard: Sylvester's, powers of two
-            block = cfg.block or width & -width
+            block = cfg.block or common & -common
             if block & (block - 1):
-                raise CompressError(f"rotate online r4 with hadamard: block {block} is not a power of two, which "
+                raise CompressError(f"rotate online {which.value} with hadamard: block {block} is not a power of two, which "
                                     "compressed-tensors' deterministic hadamard needs: use a power of two or random-hadamard")
             h, kind = sylvester(block), "Sylvester blocks"
-        else:  # the ±1 matrix of the whole width, or of one block
-            block = cfg.block or width
-            h, kind = torch.sign(_matrix(cfg.kind, block, cfg.seed + 2)), ("one random Hadamard" if block == width
-                                                                          else "random Hadamard blocks")
-        head_dim = None if block == width else block
-        config["quantization_config"] = with_transforms(config.get("quantization_config"), r4_config(cfg.kind.value, head_dim))
-        first = f"{handle.blocks_name}.0.{layout.down.removesuffix('.weight')}"
-        note = f"R4 online on each down projection's input ({kind} of {block} over {width} channels), recorded as transform_config"
-        return h / block ** 0.5, {transform_key(first, R4): h.to(torch.float32)}, note
+        else:  # the ±1 matrix of the whole width (the widths' common divisor), or of one block
+            block = cfg.block or common
+            seed = cfg.seed + (2 if which is OnlineRotation.r4 else 3)
+            h, kind = torch.sign(_matrix(cfg.kind, block, seed)), ("one random Hadamard" if widths == [block]
+                                                                  else "random Hadamard blocks")
+        head_dim = None if widths == [block] else block
+        config["quantization_config"] = with_transforms(config.get("quantization_config"),
+                                                        input_rotation_config(scheme, cfg.kind.value, head_dim, [target]))
+        first = f"{handle.blocks_name}.0.{weights[0].removesuffix('.weight')}"
+        note = (f"{which.value} online on {what} ({kind} of {block} over {'/'.join(map(str, widths))} channels), "
+                "recorded as transform_config")
+        m = h / block ** 0.5
+        return {w: m for w in weights}, {transform_key(first, scheme): h.to(torch.float32)}, note

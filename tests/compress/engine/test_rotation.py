@@ -292,8 +292,41 @@ def test_a_rotation_of_nothing_is_one_line(tmp_path):
     assert "\n" not in str(caught.value) and not (tmp_path / "rotated").exists()
 
 
+@pytest.mark.parametrize("residual", [True, False])
+@pytest.mark.parametrize("kind", ["hadamard", "random-hadamard"])
+@pytest.mark.parametrize("case", ["llama", "qwen3-qk-norms"])
+def test_online_inputs_rotate_every_linear_layer_and_keep_the_function(case, kind, residual, tmp_path):
+    """``online: [inputs]`` (QuIP's V): every linear layer of every block has its input rotated at run time, in blocks
+    of the widths' common divisor (48: 16 for Sylvester's, 48 for a random Hadamard), and the function is kept."""
+    from torch import nn
+
+    from compress.checkpoints.loading import load_model
+    from compress.checkpoints.model_io import open_model
+    from compress.checkpoints.transforms import INPUTS, ONLINE_ATTR
+
+    model = _random_model(tmp_path, CASES[case]())
+    rotated = _rotate(model, tmp_path / "rotated", kind=kind, residual=residual, online=["inputs"]).output
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    before = _logits(model, ids)
+    with torch.no_grad():
+        after = load_model(rotated, torch.device("cpu"), torch.float64)(ids).logits
+    assert (after - before).abs().max() < 1e-5 * before.abs().max()
+    scheme = json.loads((rotated / "config.json").read_text())["quantization_config"]["transform_config"]["config_groups"]
+    assert list(scheme) == [INPUTS] and scheme[INPUTS]["head_dim"] == (16 if kind == "hadamard" else 48)
+    linears = [m for block in open_model(rotated).blocks for m in block.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) == 14 and all(getattr(m, ONLINE_ATTR, None) is not None for m in linears)
+
+
+def test_online_r4_and_inputs_together_are_one_line(tmp_path):
+    model = _random_model(tmp_path, CASES["llama"]())
+    with pytest.raises(CompressError, match="give r4 or inputs, once") as caught:
+        _rotate(model, tmp_path / "rotated", online=["r4", "inputs"])
+    assert "\n" not in str(caught.value)
+
+
+@pytest.mark.parametrize("online", ["r4", "inputs"])
 @pytest.mark.parametrize("stage", [None, {"method": "gptq", "bits": 4, "group_size": 16}])
-def test_transformers_and_compressed_tensors_compute_our_r4_checkpoint(stage, tmp_path, tiny_tokenizer, monkeypatch):
+def test_transformers_and_compressed_tensors_compute_our_r4_checkpoint(stage, online, tmp_path, tiny_tokenizer, monkeypatch):
     """The consumer: transformers loads the checkpoint with compressed-tensors (float, or W4A16 packed) and
     compressed-tensors' own `apply_transform_config` builds the transforms from its config, their tensors then loaded
     from the checkpoint (transformers#42887's order: transforms first, the checkpoint's weights over them)."""
@@ -306,19 +339,20 @@ def test_transformers_and_compressed_tensors_compute_our_r4_checkpoint(stage, tm
 
     model = _random_model(tmp_path, tiny_llama_config(**_SMALL))
     tiny_tokenizer.save_pretrained(model)
-    rotate = {"method": "rotate", "kind": "random-hadamard", "online": ["r4"]}
+    rotate = {"method": "rotate", "kind": "random-hadamard", "online": [online]}
     recipe = {"model": model, "stages": [rotate] + ([stage] if stage else []), "output": {"path": tmp_path / "out"}}
     if stage:
         recipe["calibration"] = {"path": CALIB_TEXT, "samples": 4, "seq_len": 32}
     out = run_recipe(parse_recipe(recipe)).output
     config = json.loads((out / "config.json").read_text())
-    stored = {k: v for k, v in load_file(out / "model.safetensors").items() if "R4_input" in k}
-    assert list(stored) == ["model.layers.0.mlp.down_proj.R4_input.weight"]  # stored once, as compressed-tensors does
+    stored = {k: v for k, v in load_file(out / "model.safetensors").items() if k.endswith("_input.weight")}
+    first = "mlp.down_proj.R4" if online == "r4" else "self_attn.q_proj.V"
+    assert list(stored) == [f"model.layers.0.{first}_input.weight"]  # stored once, as compressed-tensors does
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
         theirs(ids)  # a packed model decompresses on its first forward
-        weights = {n: m.weight.clone() for n, m in theirs.named_modules() if n.endswith("down_proj")}
+        weights = {n: m.weight.clone() for n, m in theirs.named_modules() if n.endswith("_proj")}
         ct.apply_transform_config(theirs, ct.TransformConfig.model_validate(config["quantization_config"]["transform_config"]))
         for name, weight in weights.items():
             theirs.get_submodule(name).weight.copy_(weight)
