@@ -10,9 +10,7 @@ Algorithms: `compress.quantizers.hadamard`, `compress.quantizers.rotation`; the 
 from __future__ import annotations
 
 import enum
-import functools
 import json
-import math
 import re
 from typing import ClassVar, Optional
 
@@ -50,8 +48,8 @@ class RotateConfig(MethodConfig):
     online: list[OnlineRotation] = Field(
         default_factory=list, description="online rotations, recorded as compressed-tensors transforms: r4 (each down "
         "projection's input; hadamard: Sylvester blocks of the largest power of two dividing the width; random-hadamard: "
-        "the whole width, signs from seed + 2); inputs (every linear layer's input, in blocks of the widths' common "
-        "divisor, its largest power of two for hadamard; random-hadamard signs from seed + 3)")
+        "the whole width, signs from seed + 2); inputs (every linear layer's input, each of its own width as r4's; "
+        "random-hadamard signs from seed + 3)")
 
     @model_validator(mode="after")
     def _something_rotated(self) -> "RotateConfig":
@@ -107,41 +105,45 @@ class Rotate(CheckpointMethod):
         return Rewritten(config, self.record(), notes)
 
     def _online(self, handle, layout, config: dict, which: OnlineRotation) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], str]:
-        """The online rotation ``which``: its normalized block by the weight it fuses into, its stored ±1 matrix,
-        and a note; ``config`` gets the transform recorded."""
+        """The online rotation ``which``: its normalized block by the weight it fuses into, its stored ±1 matrices,
+        and a note; ``config`` gets the transforms recorded, one scheme per input width."""
         cfg = self.config
         if layout.down is None:
             raise CompressError(f"rotate online {which.value}: {config['model_type']}'s experts are held fused by transformers "
                                 "and vLLM, not as the Linear layers an online transform hooks: rotate without it")
+        hidden, mlp = config["hidden_size"], config["intermediate_size"]
         if which is OnlineRotation.r4:
-            weights, scheme, target, what = [layout.down], R4, DOWN_PROJ, "each down projection's input"
-            widths = [config["intermediate_size"]]
-        else:
-            weights = [w for readers in layout.norms.values() for w in readers] + list(layout.writers)
-            scheme, what = INPUTS, "every linear layer's input"
-            target = "re:.*\\.(" + "|".join(re.escape(w.removesuffix(".weight")) for w in weights) + ")$"
-            heads = config["num_attention_heads"] * (config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"])
-            widths = sorted({config["hidden_size"], heads, config["intermediate_size"]})
-        common = functools.reduce(math.gcd, widths)
-        if cfg.block is not None and common % cfg.block:
-            raise CompressError(f"rotation: block {cfg.block} does not divide the width {next(w for w in widths if w % cfg.block)}: "
-                                "choose a block that divides it")
+            groups = {mlp: [layout.down]}
+        else:  # each layer's own input width: the stream's readers, the output projection (heads × head size), down
+            heads = config["num_attention_heads"] * (config.get("head_dim") or hidden // config["num_attention_heads"])
+            width = {layout.mixer: heads, layout.down: mlp}
+            groups: dict[int, list[str]] = {}
+            for w in [w for readers in layout.norms.values() for w in readers] + list(layout.writers):
+                groups.setdefault(width.get(w, hidden), []).append(w)
+        fused, stored, transforms, parts = {}, {}, {}, []
+        for n, weights in groups.items():
+            block, h, kind = self._online_block(which, n, cfg.seed + (2 if which is OnlineRotation.r4 else 3))
+            scheme = R4 if which is OnlineRotation.r4 else f"{INPUTS}{n}"
+            target = DOWN_PROJ if which is OnlineRotation.r4 else (
+                "re:.*\\.(" + "|".join(re.escape(w.removesuffix(".weight")) for w in weights) + ")$")
+            transforms.update(input_rotation_config(scheme, cfg.kind.value, None if block == n else block, [target])["config_groups"])
+            stored[transform_key(f"{handle.blocks_name}.0.{weights[0].removesuffix('.weight')}", scheme)] = h.to(torch.float32)
+            fused.update({w: h / block ** 0.5 for w in weights})
+            parts.append(f"{kind} of {block} over {n} channels")
+        config["quantization_config"] = with_transforms(config.get("quantization_config"), {"config_groups": transforms})
+        what = "each down projection's input" if which is OnlineRotation.r4 else "every linear layer's input"
+        return fused, stored, f"{which.value} online on {what} ({'; '.join(parts)}), recorded as transform_config"
+
+    def _online_block(self, which: OnlineRotation, width: int, seed: int) -> tuple[int, torch.Tensor, str]:
+        """The block order, the ±1 matrix and its description of an online rotation of inputs ``width`` wide."""
+        cfg = self.config
+        if cfg.block is not None and width % cfg.block:
+            raise CompressError(f"rotation: block {cfg.block} does not divide the width {width}: choose a block that divides it")
         if cfg.kind is RotationKind.hadamard:  # compressed-tensors' deterministic hadamard: Sylvester's, powers of two
-            block = cfg.block or common & -common
+            block = cfg.block or width & -width
             if block & (block - 1):
                 raise CompressError(f"rotate online {which.value} with hadamard: block {block} is not a power of two, which "
                                     "compressed-tensors' deterministic hadamard needs: use a power of two or random-hadamard")
-            h, kind = sylvester(block), "Sylvester blocks"
-        else:  # the ±1 matrix of the whole width (the widths' common divisor), or of one block
-            block = cfg.block or common
-            seed = cfg.seed + (2 if which is OnlineRotation.r4 else 3)
-            h, kind = torch.sign(_matrix(cfg.kind, block, seed)), ("one random Hadamard" if widths == [block]
-                                                                  else "random Hadamard blocks")
-        head_dim = None if widths == [block] else block
-        config["quantization_config"] = with_transforms(config.get("quantization_config"),
-                                                        input_rotation_config(scheme, cfg.kind.value, head_dim, [target]))
-        first = f"{handle.blocks_name}.0.{weights[0].removesuffix('.weight')}"
-        note = (f"{which.value} online on {what} ({kind} of {block} over {'/'.join(map(str, widths))} channels), "
-                "recorded as transform_config")
-        m = h / block ** 0.5
-        return {w: m for w in weights}, {transform_key(first, scheme): h.to(torch.float32)}, note
+            return block, sylvester(block), "Sylvester blocks"
+        block = cfg.block or width  # the ±1 matrix of the whole width, or of one block
+        return block, torch.sign(_matrix(cfg.kind, block, seed)), ("one random Hadamard" if block == width else "random Hadamard blocks")

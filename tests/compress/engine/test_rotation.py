@@ -296,8 +296,9 @@ def test_a_rotation_of_nothing_is_one_line(tmp_path):
 @pytest.mark.parametrize("kind", ["hadamard", "random-hadamard"])
 @pytest.mark.parametrize("case", ["llama", "qwen3-qk-norms"])
 def test_online_inputs_rotate_every_linear_layer_and_keep_the_function(case, kind, residual, tmp_path):
-    """``online: [inputs]`` (QuIP's V): every linear layer of every block has its input rotated at run time, in blocks
-    of the widths' common divisor (48: 16 for Sylvester's, 48 for a random Hadamard), and the function is kept."""
+    """``online: [inputs]`` (QuIP's V): every linear layer of every block has its input rotated at run time, one
+    scheme per input width (48: q/k/v, o, gate/up; 96: down), Sylvester blocks of its largest power of two (16, 32)
+    or one random Hadamard of the whole width, and the function is kept."""
     from torch import nn
 
     from compress.checkpoints.loading import load_model
@@ -312,7 +313,8 @@ def test_online_inputs_rotate_every_linear_layer_and_keep_the_function(case, kin
         after = load_model(rotated, torch.device("cpu"), torch.float64)(ids).logits
     assert (after - before).abs().max() < 1e-5 * before.abs().max()
     scheme = json.loads((rotated / "config.json").read_text())["quantization_config"]["transform_config"]["config_groups"]
-    assert list(scheme) == [INPUTS] and scheme[INPUTS]["head_dim"] == (16 if kind == "hadamard" else 48)
+    assert {name: s["head_dim"] for name, s in scheme.items()} == (
+        {f"{INPUTS}48": 16, f"{INPUTS}96": 32} if kind == "hadamard" else {f"{INPUTS}48": None, f"{INPUTS}96": None})
     linears = [m for block in open_model(rotated).blocks for m in block.modules() if isinstance(m, nn.Linear)]
     assert len(linears) == 14 and all(getattr(m, ONLINE_ATTR, None) is not None for m in linears)
 
@@ -346,8 +348,8 @@ def test_transformers_and_compressed_tensors_compute_our_r4_checkpoint(stage, on
     out = run_recipe(parse_recipe(recipe)).output
     config = json.loads((out / "config.json").read_text())
     stored = {k: v for k, v in load_file(out / "model.safetensors").items() if k.endswith("_input.weight")}
-    first = "mlp.down_proj.R4" if online == "r4" else "self_attn.q_proj.V"
-    assert list(stored) == [f"model.layers.0.{first}_input.weight"]  # stored once, as compressed-tensors does
+    firsts = ["mlp.down_proj.R4"] if online == "r4" else ["self_attn.q_proj.V48", "mlp.down_proj.V96"]
+    assert sorted(stored) == sorted(f"model.layers.0.{f}_input.weight" for f in firsts)  # once per scheme, as compressed-tensors
     ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
     theirs = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     with torch.no_grad():
