@@ -11,7 +11,8 @@ Methods that need calibration data get ``--calib``; extra method settings follow
 ``KIND+r4``: with the online R4 too, `--rotate KIND --rotate-online r4` (``+inputs``: every linear layer's input
 online, `--rotate-online inputs`); ``+no-r1`` / ``+no-r2``: without the fused
 residual-stream / value rotation, the rotate stage's ``residual: false`` / ``heads: false``, e.g.
-``random-hadamard+no-r1+no-r2+r4`` for R4 alone; ``+b16``: every rotation in blocks of 16, ``block: 16``).
+``random-hadamard+no-r1+no-r2+r4`` for R4 alone; ``+b16``: every rotation in blocks of 16, ``block: 16``; ``+s1``: the
+random signs' seed 1).
 """
 
 from __future__ import annotations
@@ -51,11 +52,11 @@ def quality_parser(doc: str) -> argparse.ArgumentParser:
 
 
 def rotate_stage(rotation: str) -> dict:
-    """The rotate stage of ``KIND[+r4|+inputs][+no-r1][+no-r2][+bN]``."""
+    """The rotate stage of ``KIND[+r4|+inputs][+no-r1][+no-r2][+bN][+sN]``."""
     kind, *parts = rotation.split("+")
-    blocks = [int(p[1:]) for p in parts if p[:1] == "b" and p[1:].isdigit()]
+    number = lambda letter: next((int(p[1:]) for p in parts if p[:1] == letter and p[1:].isdigit()), None)  # noqa: E731
     return {"method": "rotate", "kind": kind, "online": [p for p in parts if p in ("r4", "inputs")],
-            "residual": "no-r1" not in parts, "heads": "no-r2" not in parts, "block": blocks[0] if blocks else None}
+            "residual": "no-r1" not in parts, "heads": "no-r2" not in parts, "block": number("b"), "seed": number("s") or 0}
 
 
 def quality_row(args: argparse.Namespace, spec: str, bits: int, group: int, rotation: str, out: Path):
