@@ -185,6 +185,19 @@ def test_a_rotated_gguf_runs_in_llama_cpp_as_the_original(tmp_path, llama_cpp_ru
     assert rotated.perplexity == pytest.approx(plain.perplexity, rel=1e-3) and rotated.kld < 1e-3
 
 
+def _online_logits_match(model, rotated):
+    """Our loader, applying the rotated checkpoint's online transforms, computes the model's float64 logits (to 1e-5:
+    the online half runs in float32, its precision). Returns the token ids and the model's logits."""
+    from compress.checkpoints.loading import load_model
+
+    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
+    before = _logits(model, ids)
+    with torch.no_grad():
+        after = load_model(rotated, torch.device("cpu"), torch.float64)(ids).logits
+    assert (after - before).abs().max() < 1e-5 * before.abs().max()
+    return ids, before
+
+
 # -- R4: each down projection's input rotated online (compress.checkpoints.transforms) ---------------------------------
 def _r4_model(tmp_path, kind: str, case: str = "llama"):
     model = _random_model(tmp_path, CASES[case]())
@@ -195,16 +208,11 @@ def _r4_model(tmp_path, kind: str, case: str = "llama"):
 @pytest.mark.parametrize("case", ["llama", "qwen2-bias", "gemma-norm-offset-tied"])
 def test_r4_keeps_the_function_where_the_online_rotation_is_applied(case, kind, tmp_path):
     from compress.checkpoints.architecture import resolve_groups
-    from compress.checkpoints.loading import load_model
     from compress.checkpoints.model_io import open_model
     from compress.checkpoints.transforms import ONLINE_ATTR, r4_config
 
     model, rotated = _r4_model(tmp_path, kind, case)
-    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
-    before = _logits(model, ids)
-    with torch.no_grad():
-        after = load_model(rotated, torch.device("cpu"), torch.float64)(ids).logits
-    assert (after - before).abs().max() < 1e-5 * before.abs().max()  # the online half runs in float32, its precision
+    ids, before = _online_logits_match(model, rotated)
     # without it (transformers alone), another function: the down projections' weights carry R4's offline half
     assert (_logits(rotated, ids) - before).abs().max() > 1e-3 * before.abs().max()
     # intermediate 96 = 3·32: Sylvester blocks of 32 (compressed-tensors' deterministic hadamard), or one random 96
@@ -225,15 +233,9 @@ def test_without_r1_no_norm_is_folded_and_the_function_is_kept(case, heads, tmp_
     stored unchanged (tied embeddings stay tied); the function is kept where R4's online half is applied."""
     from safetensors.torch import load_file
 
-    from compress.checkpoints.loading import load_model
-
     model = _random_model(tmp_path, CASES[case]())
     rotated = _rotate(model, tmp_path / "rotated", kind="random-hadamard", residual=False, heads=heads, online=["r4"]).output
-    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
-    before = _logits(model, ids)
-    with torch.no_grad():
-        after = load_model(rotated, torch.device("cpu"), torch.float64)(ids).logits
-    assert (after - before).abs().max() < 1e-5 * before.abs().max()
+    _online_logits_match(model, rotated)
     old, new = load_file(model / "model.safetensors"), load_file(rotated / "model.safetensors")
     assert json.loads((rotated / "config.json").read_text())["tie_word_embeddings"] is True and "lm_head.weight" not in new
     for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.1.input_layernorm.weight",
@@ -250,16 +252,11 @@ def test_block_rotations_keep_the_function_and_mix_only_within_a_block(kind, tmp
     first four columns are the stored ones times one 4 × 4 Hadamard, written out by hand."""
     from safetensors.torch import load_file
 
-    from compress.checkpoints.loading import load_model
     from compress.checkpoints.transforms import R4, r4_config
 
     model = _random_model(tmp_path, CASES["llama"]())
     rotated = _rotate(model, tmp_path / "rotated", kind=kind, block=4, online=["r4"]).output
-    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
-    before = _logits(model, ids)
-    with torch.no_grad():
-        after = load_model(rotated, torch.device("cpu"), torch.float64)(ids).logits
-    assert (after - before).abs().max() < 1e-5 * before.abs().max()
+    _online_logits_match(model, rotated)
     old, new = load_file(model / "model.safetensors"), load_file(rotated / "model.safetensors")
     h4 = torch.tensor([[1, 1, 1, 1], [1, -1, 1, -1], [1, 1, -1, -1], [1, -1, -1, 1]], dtype=torch.float64) / 2
     embed = "model.embed_tokens.weight"
@@ -301,17 +298,12 @@ def test_online_inputs_rotate_every_linear_layer_and_keep_the_function(case, kin
     or one random Hadamard of the whole width, and the function is kept."""
     from torch import nn
 
-    from compress.checkpoints.loading import load_model
     from compress.checkpoints.model_io import open_model
     from compress.checkpoints.transforms import INPUTS, ONLINE_ATTR
 
     model = _random_model(tmp_path, CASES[case]())
     rotated = _rotate(model, tmp_path / "rotated", kind=kind, residual=residual, online=["inputs"]).output
-    ids = torch.randint(0, 300, (2, 24), generator=torch.Generator().manual_seed(1))
-    before = _logits(model, ids)
-    with torch.no_grad():
-        after = load_model(rotated, torch.device("cpu"), torch.float64)(ids).logits
-    assert (after - before).abs().max() < 1e-5 * before.abs().max()
+    _online_logits_match(model, rotated)
     scheme = json.loads((rotated / "config.json").read_text())["quantization_config"]["transform_config"]["config_groups"]
     assert {name: s["head_dim"] for name, s in scheme.items()} == (
         {f"{INPUTS}48": 16, f"{INPUTS}96": 32} if kind == "hadamard" else {f"{INPUTS}48": None, f"{INPUTS}96": None})
