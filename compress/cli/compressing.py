@@ -32,6 +32,7 @@ from compress.cli.options import (
     OUTPUT_OPT,
     OVERWRITE_OPT,
     RESUME_OPT,
+    ROTATE_FUSED_OPT,
     ROTATE_ONLINE_OPT,
     ROTATE_OPT,
     SAMPLES_OPT,
@@ -98,12 +99,16 @@ def _execute(recipe, as_json: bool) -> None:
 
 def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
     """Build the one-stage recipe of a compressing command from its options, and run it."""
-    online = args.get("rotate_online") or []
-    if online and args.get("rotate") is None:
-        from compress.errors import CompressError
+    from compress.errors import CompressError
 
-        raise CompressError("--rotate-online needs --rotate (the online rotation's kind): add --rotate hadamard or random-hadamard")
-    rotation = [{"method": "rotate", "kind": args["rotate"], **({"online": online} if online else {})}] if args.get("rotate") is not None else []
+    online, fused = args.get("rotate_online") or [], args.get("rotate_fused", True)
+    if (online or not fused) and args.get("rotate") is None:
+        flag = "--rotate-online" if online else "--no-rotate-fused"
+        raise CompressError(f"{flag} needs --rotate (the rotation's kind): add --rotate hadamard or random-hadamard")
+    if not fused and not online:
+        raise CompressError("--no-rotate-fused leaves nothing to rotate: add --rotate-online inputs (or r4), or drop --no-rotate-fused")
+    parts = {**({"online": online} if online else {}), **({} if fused else {"residual": False, "heads": False})}
+    rotation = [{"method": "rotate", "kind": args["rotate"], **parts}] if args.get("rotate") is not None else []
     data: dict[str, Any] = {
         "model": args["model"],
         "stages": rotation + [{**stage, "include": args["include"], "exclude": args["exclude"], **parse_options(args["option"])}],
@@ -148,6 +153,7 @@ def quantize(
     symmetric: Optional[bool] = typer.Option(None, "--sym/--asym", help="Symmetric or asymmetric grid (default symmetric)."),
     rotate: Optional[str] = ROTATE_OPT,
     rotate_online: list[str] = ROTATE_ONLINE_OPT,
+    rotate_fused: bool = ROTATE_FUSED_OPT,
     output_format: str = FORMAT_OPT,
     calib: Optional[Path] = CALIB_OPT,
     samples: int = SAMPLES_OPT,
@@ -203,6 +209,7 @@ def prune(
     ),
     rotate: Optional[str] = ROTATE_OPT,
     rotate_online: list[str] = ROTATE_ONLINE_OPT,
+    rotate_fused: bool = ROTATE_FUSED_OPT,
     output_format: str = FORMAT_OPT,
     calib: Optional[Path] = CALIB_OPT,
     samples: int = SAMPLES_OPT,

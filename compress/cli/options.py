@@ -51,6 +51,10 @@ ROTATE_OPT = typer.Option(
     None, "--rotate",
     help="First fuse a rotation into the weights (same function, outliers spread): hadamard or random-hadamard.",
 )
+ROTATE_FUSED_OPT = typer.Option(
+    True, "--rotate-fused/--no-rotate-fused",
+    help="With --rotate: fuse R1 (the residual stream) and R2 (each head's values); --no-rotate-fused keeps only the --rotate-online rotations, as QuIP does.",
+)
 ROTATE_ONLINE_OPT = typer.Option(
     [], "--rotate-online",
     help="With --rotate: also an online rotation, applied at run time and recorded as a compressed-tensors transform: r4 (each down projection's input) or inputs (every linear layer's input, as QuIP).",

@@ -374,7 +374,31 @@ def test_what_cannot_take_r4_is_one_line(tmp_path, tiny_tokenizer):
         (["export", str(model), "-o", str(tmp_path / "r.gguf"), "--type", "f16", "--rotate", "hadamard", "--rotate-online", "r4"],
          "llama.cpp applies no online transform"),
         (["quantize", str(model), "-o", str(tmp_path / "q"), "--rotate-online", "r4"], "--rotate-online needs --rotate"),
+        (["quantize", str(model), "-o", str(tmp_path / "q"), "--no-rotate-fused"], "--no-rotate-fused needs --rotate"),
+        (["quantize", str(model), "-o", str(tmp_path / "q"), "--rotate", "hadamard", "--no-rotate-fused"],
+         "--no-rotate-fused leaves nothing to rotate"),
     ]:
         done = CliRunner().invoke(app, args)
         assert done.exit_code == 2 and needle in done.output, done.output
     assert not (tmp_path / "r.gguf").exists() and not (tmp_path / "q").exists()
+
+
+def test_the_cli_rotates_only_online_with_no_rotate_fused(tmp_path, tiny_tokenizer):
+    """``--rotate random-hadamard --no-rotate-fused --rotate-online inputs``: the recipe's ``residual: false, heads:
+    false``; the stream's tensors are stored as they were, every layer's input is rotated online."""
+    from safetensors.torch import load_file
+    from typer.testing import CliRunner
+
+    from compress.cli import app
+
+    model = _random_model(tmp_path, tiny_llama_config(**_SMALL))
+    tiny_tokenizer.save_pretrained(model)
+    out = tmp_path / "out"
+    done = CliRunner().invoke(app, ["quantize", str(model), "-o", str(out), "--method", "rtn", "--bits", "8", "--group-size", "16",
+                                    "--rotate", "random-hadamard", "--no-rotate-fused", "--rotate-online", "inputs"])
+    assert done.exit_code == 0, done.output
+    old, new = load_file(model / "model.safetensors"), load_file(out / "model.safetensors")
+    for name in ("model.embed_tokens.weight", "model.norm.weight", "model.layers.0.input_layernorm.weight"):
+        assert torch.allclose(old[name], new[name].to(old[name].dtype), rtol=1e-6), name  # block tensors pass the engine's float32
+    schemes = json.loads((out / "config.json").read_text())["quantization_config"]["transform_config"]["config_groups"]
+    assert sorted(schemes) == ["V48", "V96"]
