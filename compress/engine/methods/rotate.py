@@ -33,7 +33,7 @@ class RotationKind(str, enum.Enum):
 
 class OnlineRotation(str, enum.Enum):
     r4 = "r4"  # a Hadamard on each down projection's input, at run time (SpinQuant's R4)
-    inputs = "inputs"  # a block Hadamard on every linear layer's input, at run time (QuIP's V, llm-compressor's QuIPModifier)
+    inputs = "inputs"  # a Hadamard on every linear layer's input, at run time (QuIP's V, llm-compressor's QuIPModifier)
 
 
 class RotateConfig(MethodConfig):
