@@ -61,7 +61,7 @@ def rotate_stage(rotation: str) -> dict:
 
 def quality_row(args: argparse.Namespace, spec: str, bits: int, group: int, rotation: str, out: Path):
     """Compress ``args.model`` with method ``spec`` (``name:key=value;...``) at ``bits``:``group`` after
-    ``rotation`` (``none`` or `rotate_stage`'s ``KIND[+r4][+no-r1][+no-r2][+bN]``) into ``out`` and evaluate it on
+    ``rotation`` (``none`` or `rotate_stage`'s ``KIND[+r4|+inputs][+no-r1][+no-r2][+bN][+sN]``) into ``out`` and evaluate it on
     ``args.text`` (its ``EvalResult``). ``args``: model, text, calib, samples, seq_len, ctx, max_tokens, format."""
     name, options = parse_method(spec)
     method = method_class(name)(method_class(name).Config(**options))
@@ -84,7 +84,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
     ap.add_argument("--rotations", default="none",
-                    help="comma-separated: none, hadamard, random-hadamard, KIND+r4, KIND+no-r1+no-r2+r4, KIND+b16")
+                    help="comma-separated: none, hadamard, random-hadamard, or KIND[+r4|+inputs][+no-r1][+no-r2][+bN][+sN]")
     ap.add_argument("--format", default="compressed-tensors", help="output format; fake for simulated-only schemes (W4A4 int)")
     args = ap.parse_args()
     settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]

@@ -60,11 +60,19 @@ class RotateConfig(MethodConfig):
         return self
 
 
+def _head_dim(config: dict) -> int:
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def _check_divides(block: int | None, width: int) -> None:
+    if block is not None and width % block:
+        raise CompressError(f"rotation: block {block} does not divide the width {width}: choose a block that divides it")
+
+
 def _matrix(kind: RotationKind, n: int, seed: int, block: int | None = None):
     """The ``[n, n]`` rotation: one Hadamard of the width, or ``diag(B, …, B)`` for a ``[block, block]`` ``B``."""
+    _check_divides(block, n)
     size = n if block is None else block
-    if n % size:
-        raise CompressError(f"rotation: block {block} does not divide the width {n}: choose a block that divides it")
     try:
         base = hadamard(size) if kind is RotationKind.hadamard else random_hadamard(size, seed)
     except ValueError as exc:
@@ -83,8 +91,7 @@ class Rotate(CheckpointMethod):
         cfg = self.config
         layout = rotation_layout(handle.config.model_type)
         config = json.loads((handle.path / "config.json").read_text())
-        hidden = config["hidden_size"]
-        head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+        hidden, head_dim = config["hidden_size"], _head_dim(config)
         q = _matrix(cfg.kind, hidden, cfg.seed, cfg.block) if cfg.residual else None
         head_block = cfg.block if cfg.block and cfg.block < head_dim else None
         r = _matrix(cfg.kind, head_dim, cfg.seed + 1, head_block) if cfg.heads else None
@@ -111,34 +118,31 @@ class Rotate(CheckpointMethod):
         if layout.down is None:
             raise CompressError(f"rotate online {which.value}: {config['model_type']}'s experts are held fused by transformers "
                                 "and vLLM, not as the Linear layers an online transform hooks: rotate without it")
-        hidden, mlp = config["hidden_size"], config["intermediate_size"]
-        if which is OnlineRotation.r4:
+        hidden, mlp, r4 = config["hidden_size"], config["intermediate_size"], which is OnlineRotation.r4
+        if r4:
             groups = {mlp: [layout.down]}
         else:  # each layer's own input width: the stream's readers, the output projection (heads × head size), down
-            heads = config["num_attention_heads"] * (config.get("head_dim") or hidden // config["num_attention_heads"])
-            width = {layout.mixer: heads, layout.down: mlp}
+            width = {layout.mixer: config["num_attention_heads"] * _head_dim(config), layout.down: mlp}
             groups: dict[int, list[str]] = {}
             for w in [w for readers in layout.norms.values() for w in readers] + list(layout.writers):
                 groups.setdefault(width.get(w, hidden), []).append(w)
         fused, stored, transforms, parts = {}, {}, {}, []
         for n, weights in groups.items():
-            block, h, kind = self._online_block(which, n, cfg.seed + (2 if which is OnlineRotation.r4 else 3))
-            scheme = R4 if which is OnlineRotation.r4 else f"{INPUTS}{n}"
-            target = DOWN_PROJ if which is OnlineRotation.r4 else (
-                "re:.*\\.(" + "|".join(re.escape(w.removesuffix(".weight")) for w in weights) + ")$")
+            block, h, kind = self._online_block(which, n, cfg.seed + (2 if r4 else 3))
+            scheme = R4 if r4 else f"{INPUTS}{n}"
+            target = DOWN_PROJ if r4 else "re:.*\\.(" + "|".join(re.escape(w.removesuffix(".weight")) for w in weights) + ")$"
             transforms.update(input_rotation_config(scheme, cfg.kind.value, None if block == n else block, [target])["config_groups"])
             stored[transform_key(f"{handle.blocks_name}.0.{weights[0].removesuffix('.weight')}", scheme)] = h.to(torch.float32)
             fused.update({w: h / block ** 0.5 for w in weights})
             parts.append(f"{kind} of {block} over {n} channels")
         config["quantization_config"] = with_transforms(config.get("quantization_config"), {"config_groups": transforms})
-        what = "each down projection's input" if which is OnlineRotation.r4 else "every linear layer's input"
+        what = "each down projection's input" if r4 else "every linear layer's input"
         return fused, stored, f"{which.value} online on {what} ({'; '.join(parts)}), recorded as transform_config"
 
     def _online_block(self, which: OnlineRotation, width: int, seed: int) -> tuple[int, torch.Tensor, str]:
         """The block order, the ±1 matrix and its description of an online rotation of inputs ``width`` wide."""
         cfg = self.config
-        if cfg.block is not None and width % cfg.block:
-            raise CompressError(f"rotation: block {cfg.block} does not divide the width {width}: choose a block that divides it")
+        _check_divides(cfg.block, width)
         if cfg.kind is RotationKind.hadamard:  # compressed-tensors' deterministic hadamard: Sylvester's, powers of two
             block = cfg.block or width & -width
             if block & (block - 1):
