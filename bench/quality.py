@@ -12,7 +12,8 @@ Methods that need calibration data get ``--calib``; extra method settings follow
 online, `--rotate-online inputs`); ``+no-r1`` / ``+no-r2``: without the fused
 residual-stream / value rotation, the rotate stage's ``residual: false`` / ``heads: false``, e.g.
 ``random-hadamard+no-r1+no-r2+r4`` for R4 alone; ``+b16``: every rotation in blocks of 16, ``block: 16``; ``+s1``: the
-random signs' seed 1).
+random signs' seed 1). ``learned`` trains R1 and R2 on the row's grid (its bits, group size and the method's
+``activations``) on the calibration windows; ``+tN``: N Cayley SGD steps, ``+wN``: N windows per step).
 """
 
 from __future__ import annotations
@@ -52,20 +53,25 @@ def quality_parser(doc: str) -> argparse.ArgumentParser:
 
 
 def rotate_stage(rotation: str) -> dict:
-    """The rotate stage of ``KIND[+r4|+inputs][+no-r1][+no-r2][+bN][+sN]``."""
+    """The rotate stage of ``KIND[+r4|+inputs][+no-r1][+no-r2][+bN][+sN][+tN][+wN]`` (``t``, ``w``: learned's steps
+    and windows per step)."""
     kind, *parts = rotation.split("+")
     number = lambda letter: next((int(p[1:]) for p in parts if p[:1] == letter and p[1:].isdigit()), None)  # noqa: E731
+    learned = {key: number(letter) for key, letter in (("steps", "t"), ("windows", "w")) if number(letter) is not None}
     return {"method": "rotate", "kind": kind, "online": [p for p in parts if p in ("r4", "inputs")],
-            "residual": "no-r1" not in parts, "heads": "no-r2" not in parts, "block": number("b"), "seed": number("s") or 0}
+            "residual": "no-r1" not in parts, "heads": "no-r2" not in parts, "block": number("b"), "seed": number("s") or 0,
+            **learned}
 
 
 def quality_row(args: argparse.Namespace, spec: str, bits: int, group: int, rotation: str, out: Path):
     """Compress ``args.model`` with method ``spec`` (``name:key=value;...``) at ``bits``:``group`` after
-    ``rotation`` (``none`` or `rotate_stage`'s ``KIND[+r4|+inputs][+no-r1][+no-r2][+bN][+sN]``) into ``out`` and evaluate it on
+    ``rotation`` (``none`` or `rotate_stage`'s ``KIND[+r4|+inputs][+no-r1][+no-r2][+bN][+sN][+tN][+wN]``) into ``out`` and evaluate it on
     ``args.text`` (its ``EvalResult``). ``args``: model, text, calib, samples, seq_len, ctx, max_tokens, format."""
     name, options = parse_method(spec)
     method = method_class(name)(method_class(name).Config(**options))
     rotate = [] if rotation == "none" else [rotate_stage(rotation)]
+    if rotate and rotate[0]["kind"] == "learned":  # trained on the grid of the row
+        rotate[0].update(train_bits=bits, train_group_size=group, **{"train_activations": options[k] for k in ("activations",) if k in options})
     data = {
         "model": args.model,
         "stages": rotate + [{"method": name, "bits": bits, "group_size": group, **options}],
@@ -84,7 +90,8 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=512)
     ap.add_argument("--max-tokens", type=int, help="evaluate only the first N tokens of the text")
     ap.add_argument("--rotations", default="none",
-                    help="comma-separated: none, hadamard, random-hadamard, or KIND[+r4|+inputs][+no-r1][+no-r2][+bN][+sN]")
+                    help="comma-separated: none, hadamard, random-hadamard, learned, or "
+                         "KIND[+r4|+inputs][+no-r1][+no-r2][+bN][+sN][+tN][+wN]")
     ap.add_argument("--format", default="compressed-tensors", help="output format; fake for simulated-only schemes (W4A4 int)")
     args = ap.parse_args()
     settings = [tuple(int(x) for x in s.split(":")) for s in args.settings.split(",")]

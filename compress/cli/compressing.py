@@ -104,10 +104,15 @@ def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
     online, fused = args.get("rotate_online") or [], args.get("rotate_fused", True)
     if (online or not fused) and args.get("rotate") is None:
         flag = "--rotate-online" if online else "--no-rotate-fused"
-        raise CompressError(f"{flag} needs --rotate (the rotation's kind): add --rotate hadamard or random-hadamard")
+        raise CompressError(f"{flag} needs --rotate (the rotation's kind): add --rotate hadamard, random-hadamard or learned")
     if not fused and not online:
         raise CompressError("--no-rotate-fused leaves nothing to rotate: add --rotate-online inputs (or r4), or drop --no-rotate-fused")
     parts = {**({"online": online} if online else {}), **({} if fused else {"residual": False, "heads": False})}
+    if args.get("rotate") == "learned":  # trained on the grid of the stage after it, where the command gives it
+        group, given = str(stage.get("group_size", "")), parse_options(args["option"])
+        parts.update({**({"train_bits": stage["bits"]} if "bits" in stage else {}),
+                      **({"train_group_size": int(group)} if group.lstrip("-").isdigit() else {}),
+                      **({"train_activations": given["activations"]} if "activations" in given else {})})
     rotation = [{"method": "rotate", "kind": args["rotate"], **parts}] if args.get("rotate") is not None else []
     data: dict[str, Any] = {
         "model": args["model"],

@@ -49,7 +49,7 @@ def parse_options(options: list[str]) -> dict[str, Any]:
     return parsed
 ROTATE_OPT = typer.Option(
     None, "--rotate",
-    help="First fuse a rotation into the weights (same function, outliers spread): hadamard or random-hadamard.",
+    help="First fuse a rotation into the weights (same function, outliers spread): hadamard, random-hadamard, or learned (SpinQuant: trained on --calib against the quantized model's loss).",
 )
 ROTATE_FUSED_OPT = typer.Option(
     True, "--rotate-fused/--no-rotate-fused",

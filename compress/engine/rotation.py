@@ -28,9 +28,10 @@ def _unplaced(name: str) -> CompressError:
 
 class Rotator:
     """The rotated value of each stored tensor of ``handle``: ``q [hidden, hidden]`` (R1) or None, ``r [head_dim,
-    head_dim]`` (R2) or None, ``online``: block weight name -> ``M [b, b]``, the block of a rotation its input takes at
-    run time (``b`` dividing its input width; R4 names the down projection), fused as ``W · diag(M, …, M)``. Without
-    R1 the residual stream, the norms and the embeddings stay as stored: no norm scale is folded."""
+    head_dim]`` (R2, every block's), ``[blocks, head_dim, head_dim]`` (block i's ``r[i]``: SpinQuant's learned R2)
+    or None, ``online``: block weight name -> ``M [b, b]``, the block of a rotation its input takes at run time
+    (``b`` dividing its input width; R4 names the down projection), fused as ``W · diag(M, …, M)``. Without R1
+    the residual stream, the norms and the embeddings stay as stored: no norm scale is folded."""
 
     def __init__(self, handle: ModelHandle, layout: RotationLayout, q: torch.Tensor | None, r: torch.Tensor | None,
                  online: dict[str, torch.Tensor] | None = None):
@@ -58,6 +59,7 @@ class Rotator:
                 return self.head_from(name)
             raise _unplaced(name)
         prefix, _, rel = name[len(blocks):].partition(".")
+        r = self.r if self.r is None or self.r.dim() == 2 else self.r[int(prefix)]
         prefix = blocks + prefix + "."
         weight = rel.removesuffix(".bias") + ".weight" if rel.endswith(".bias") else rel
         value = self.stored(name)
@@ -69,14 +71,14 @@ class Rotator:
         elif reader is not None:  # its bias, or its weight without R1, is unchanged
             pass
         elif matching(weight, lay.writers):  # a writer's weight or bias; the output projection's columns first take R2
-            if self.r is not None and rel == lay.mixer:
-                value = rotate_head_columns(value, self.r)
+            if r is not None and rel == lay.mixer:
+                value = rotate_head_columns(value, r)
             if self.q is not None:
                 value = rotate_writer(value, self.q)
         elif rel not in lay.untouched:
             raise _unplaced(name)
-        if self.r is not None and weight == lay.values:
-            value = rotate_head_rows(value, self.r)
+        if r is not None and weight == lay.values:
+            value = rotate_head_rows(value, r)
         if rel in self.online:  # last: the input the layer sees at run time is the fused rotations' output times M
             value = rotate_input_blocks(value, self.online[rel])
         return value

@@ -4,13 +4,17 @@ it compress the rotated checkpoint, where outlier channels are spread over every
 Asked for, SpinQuant's R4 rotates each down projection's input online: fused into its weight, and recorded as
 compressed-tensors' ``transform_config`` (`compress.checkpoints.transforms`) with its matrix, which every loader
 (ours, compressed-tensors, vLLM) applies at run time.
-Algorithms: `compress.quantizers.hadamard`, `compress.quantizers.rotation`; the rewrite: `compress.engine.rotation`.
+The ``learned`` kind starts from the random-hadamard R1 and R2 and trains them (one R2 per block) by Cayley SGD
+against the quantized model's loss on the calibration windows (SpinQuant; `compress.engine.rotation_learning`).
+Algorithms: `compress.quantizers.hadamard`, `compress.quantizers.rotation`, `compress.quantizers.cayley`; the
+rewrite: `compress.engine.rotation`.
 """
 
 from __future__ import annotations
 
 import enum
 import json
+import os
 import re
 from typing import ClassVar, Optional
 
@@ -22,13 +26,17 @@ from compress.checkpoints.transforms import DOWN_PROJ, INPUTS, R4, input_rotatio
 from compress.engine.methods.base import CheckpointMethod, MethodConfig, Rewritten
 from compress.engine.registry import register_method
 from compress.engine.rotation import write_rotated
+from compress.engine.rotation_learning import Training, learn_rotations
 from compress.errors import CompressError
+from compress.quantizers.activations import ActivationPreset
+from compress.quantizers.grid import MAX_BITS, MIN_BITS, QuantScheme
 from compress.quantizers.hadamard import hadamard, random_hadamard, sylvester
 
 
 class RotationKind(str, enum.Enum):
     hadamard = "hadamard"  # deterministic: H / √n (Sylvester × Paley)
     random_hadamard = "random-hadamard"  # H / √n · diag(±1), signs drawn from the seed (QuaRot)
+    learned = "learned"  # random-hadamard's R1 and R2 trained against the quantized model's loss (SpinQuant)
 
 
 class OnlineRotation(str, enum.Enum):
@@ -37,8 +45,9 @@ class OnlineRotation(str, enum.Enum):
 
 
 class RotateConfig(MethodConfig):
-    kind: RotationKind = Field(RotationKind.random_hadamard, description="hadamard or random-hadamard (seeded signs)")
-    seed: int = Field(0, description="random-hadamard: the signs' seed (R1 from it, R2 from seed + 1)")
+    kind: RotationKind = Field(RotationKind.random_hadamard, description="hadamard, random-hadamard (seeded signs) or "
+                               "learned (random-hadamard's R1 and R2 trained on the calibration windows)")
+    seed: int = Field(0, description="random-hadamard and learned: the signs' seed (R1 from it, R2 from seed + 1)")
     residual: bool = Field(True, description="R1: rotate the residual stream, each norm's scale folded into the layers "
                            "that read it; false: R2 and R4 alone, no norm folded")
     heads: bool = Field(True, description="also R2: rotate each attention head's values, undone in the output projection")
@@ -50,6 +59,32 @@ class RotateConfig(MethodConfig):
         "projection's input; hadamard: Sylvester blocks of the largest power of two dividing the width; random-hadamard: "
         "the whole width, signs from seed + 2); inputs (every linear layer's input, each of its own width as r4's; "
         "random-hadamard signs from seed + 3)")
+    steps: int = Field(20, ge=1, description="learned: Cayley SGD steps (SpinQuant: 100)")
+    lr: float = Field(1.5, gt=0, description="learned: the learning rate (SpinQuant's 1.5; each step is also at most 1 / ‖W‖₁)")
+    momentum: float = Field(0.0, ge=0, lt=1, description="learned: Cayley SGD's momentum")
+    windows: int = Field(4, ge=1, description="learned: calibration windows per step, taken in turn (cycling)")
+    train_bits: int = Field(4, ge=MIN_BITS, le=MAX_BITS, description="learned: the bits of the weights' grid the loss is "
+                      "measured on (round to nearest, symmetric)")
+    train_group_size: int = Field(-1, description="learned: that grid's columns per scale; -1: one scale per output channel")
+    train_activations: Optional[ActivationPreset] = Field(None, description="learned: also fake-quantize the layers' inputs: "
+                                                    "a dynamic preset (int4-token, int8-token, fp8-token, fp8-group, mxfp4)")
+
+    @model_validator(mode="after")
+    def _learned_settings(self) -> "RotateConfig":
+        given = sorted(self.model_fields_set & _LEARNED)
+        if given and self.kind is not RotationKind.learned:
+            raise ValueError(f"{', '.join(given)}: settings of kind learned: drop them, or use kind learned")
+        if self.kind is RotationKind.learned:
+            if self.block is not None:
+                raise ValueError("a learned rotation mixes every channel: drop block (or use hadamard or random-hadamard)")
+            if not (self.residual or self.heads):
+                raise ValueError("learned trains R1 and R2: keep residual or heads (online rotations alone: random-hadamard)")
+            if self.train_activations is not None and not self.train_activations.scheme().dynamic:
+                raise ValueError(f"train_activations {self.train_activations.value} needs a calibrated static scale, which the training does "
+                                 "not fit: use a dynamic preset (int4-token, int8-token, fp8-token, fp8-group, mxfp4)")
+            if self.train_group_size != -1 and self.train_group_size < 1:
+                raise ValueError(f"train_group_size {self.train_group_size}: give a positive number of columns, or -1")
+        return self
 
     @model_validator(mode="after")
     def _something_rotated(self) -> "RotateConfig":
@@ -58,6 +93,9 @@ class RotateConfig(MethodConfig):
         if set(self.online) == {OnlineRotation.r4, OnlineRotation.inputs} or len(set(self.online)) < len(self.online):
             raise ValueError("online inputs rotates the down projections' inputs too: give r4 or inputs, once")
         return self
+
+
+_LEARNED = {"steps", "lr", "momentum", "windows", "train_bits", "train_group_size", "train_activations"}
 
 
 def _head_dim(config: dict) -> int:
@@ -73,7 +111,7 @@ def _matrix(kind: RotationKind, n: int, seed: int, block: int | None = None):
     """The ``[n, n]`` rotation: one Hadamard of the width, or ``diag(B, …, B)`` for a ``[block, block]`` ``B``."""
     _check_divides(block, n)
     size = n if block is None else block
-    try:
+    try:  # learned: its starting point, random-hadamard's
         base = hadamard(size) if kind is RotationKind.hadamard else random_hadamard(size, seed)
     except ValueError as exc:
         raise CompressError(f"rotation: {exc}: this width cannot be rotated here") from None
@@ -100,6 +138,9 @@ class Rotate(CheckpointMethod):
             fused, stored, note = self._online(handle, layout, config, which)
             online, extra = {**online, **fused}, {**extra, **stored}
             notes.append(note)
+        if cfg.kind is RotationKind.learned:
+            q, r, note = self._learn(handle, layout, config, q, r, online, calibration, batch_size, progress)
+            notes.append(note)
         untied = write_rotated(handle, layout, q, r, directory, online=online, extra=extra)
         fused = ([f"the residual stream ({hidden} wide)"] if q is not None else []) + (
             [f"each head's values ({head_dim} wide)"] if r is not None else [])
@@ -110,6 +151,26 @@ class Rotate(CheckpointMethod):
             config["tie_word_embeddings"] = False
             notes.append("the output layer is written apart from the embeddings: the final norm's scale folds into it alone")
         return Rewritten(config, self.record(), notes)
+
+    def _learn(self, handle, layout, config, q, r, online, calibration, batch_size, progress):
+        """R1 and one R2 per block trained from ``q`` and ``r`` (`compress.engine.rotation_learning`), and a note."""
+        cfg = self.config
+        if calibration is None:
+            raise CompressError("rotate learned trains on calibration windows: give a calibration set (--calib, or a "
+                                "calibration section)")
+        if int(os.environ.get("WORLD_SIZE", "1")) > 1:  # every rank would write the output directory
+            raise CompressError("rotate learned rewrites the checkpoint in one process: run it without a launcher "
+                                "(torchrun), then launch the other stages on its output")
+        blocks = config["num_hidden_layers"]
+        r = None if r is None else r.expand(blocks, *r.shape).clone()
+        training = Training(cfg.steps, cfg.lr, cfg.momentum, cfg.windows, batch_size, QuantScheme(cfg.train_bits, True, cfg.train_group_size),
+                            None if cfg.train_activations is None else cfg.train_activations.scheme())
+        learned = learn_rotations(handle, layout, q, r, online, calibration, training, progress=progress)
+        handle.release(handle.model)  # the whole model the training loaded
+        grid = f"W{cfg.train_bits}" + (f" g{cfg.train_group_size}" if cfg.train_group_size != -1 else "") + (
+            f", inputs {cfg.train_activations.value}" if cfg.train_activations else "")
+        return learned.q, learned.r, (f"learned by {cfg.steps} Cayley SGD steps (lr {cfg.lr}, {cfg.windows} windows each) on the "
+                                      f"{grid} model's loss: {learned.losses[0]:.4f} at the first step, {learned.losses[-1]:.4f} at the last")
 
     def _online(self, handle, layout, config: dict, which: OnlineRotation) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], str]:
         """The online rotation ``which``: its normalized block by the weight it fuses into, its stored ±1 matrices,
@@ -131,7 +192,7 @@ class Rotate(CheckpointMethod):
             block, h, kind = self._online_block(which, n, cfg.seed + (2 if r4 else 3))
             scheme = R4 if r4 else f"{INPUTS}{n}"
             target = DOWN_PROJ if r4 else "re:.*\\.(" + "|".join(re.escape(w.removesuffix(".weight")) for w in weights) + ")$"
-            transforms.update(input_rotation_config(scheme, cfg.kind.value, None if block == n else block, [target])["config_groups"])
+            transforms.update(input_rotation_config(scheme, self._online_kind.value, None if block == n else block, [target])["config_groups"])
             stored[transform_key(f"{handle.blocks_name}.0.{weights[0].removesuffix('.weight')}", scheme)] = h.to(torch.float32)
             fused.update({w: h / block ** 0.5 for w in weights})
             parts.append(f"{kind} of {block} over {n} channels")
@@ -139,15 +200,20 @@ class Rotate(CheckpointMethod):
         what = "each down projection's input" if r4 else "every linear layer's input"
         return fused, stored, f"{which.value} online on {what} ({'; '.join(parts)}), recorded as transform_config"
 
+    @property
+    def _online_kind(self) -> RotationKind:
+        """The online rotations' kind: learned's are random-hadamard's (fixed, not trained)."""
+        return RotationKind.random_hadamard if self.config.kind is RotationKind.learned else self.config.kind
+
     def _online_block(self, which: OnlineRotation, width: int, seed: int) -> tuple[int, torch.Tensor, str]:
         """The block order, the ±1 matrix and its description of an online rotation of inputs ``width`` wide."""
         cfg = self.config
         _check_divides(cfg.block, width)
-        if cfg.kind is RotationKind.hadamard:  # compressed-tensors' deterministic hadamard: Sylvester's, powers of two
+        if self._online_kind is RotationKind.hadamard:  # compressed-tensors' deterministic hadamard: Sylvester's, powers of two
             block = cfg.block or width & -width
             if block & (block - 1):
                 raise CompressError(f"rotate online {which.value} with hadamard: block {block} is not a power of two, which "
                                     "compressed-tensors' deterministic hadamard needs: use a power of two or random-hadamard")
             return block, sylvester(block), "Sylvester blocks"
         block = cfg.block or width  # the ±1 matrix of the whole width, or of one block
-        return block, torch.sign(_matrix(cfg.kind, block, seed)), ("one random Hadamard" if block == width else "random Hadamard blocks")
+        return block, torch.sign(_matrix(self._online_kind, block, seed)), ("one random Hadamard" if block == width else "random Hadamard blocks")
