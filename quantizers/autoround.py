@@ -22,10 +22,13 @@ with ``f`` the block (the caller's differentiable ``forward``) and ``y`` its flo
     p ← p − lr · (1 − t/iters) · sign(∂L/∂p),   lr = 1/iters (V; α and β: ``minmax_lr``, default lr)
 
 Each step takes a mini-batch of ``batch_size`` samples from a shuffled order (reshuffled, the rest dropped, when
-fewer remain: auto-round's ``IndexSampler``), runs them through ``f`` as one batch (``forward`` gets the list of
-the step's samples and returns their outputs concatenated along dim 0, the order of ``torch.cat`` of their
-targets), and keeps the parameters of the step with the lowest loss (``best``, auto-round's default; else the last
-step's). ``sign(0) = 0``: a parameter with no gradient stays.
+fewer remain: auto-round's ``IndexSampler``) and keeps the parameters of the step with the lowest loss (``best``,
+auto-round's default; else the last step's). ``sign(0) = 0``: a parameter with no gradient stays. The mini-batch's
+loss is the mean over its samples' elements, as auto-round's one batch takes it, but each sample runs through ``f``
+on its own (``forward`` takes one sample) and the samples' gradients with respect to the quantized weights
+are summed in float64, in the order of the step: the same sum on any split of the samples, so processes that each
+hold some of them (``inputs[i] is None`` for a sample held elsewhere) take the very step of one process once
+``reduce`` has summed their float64 parts (an all-reduce; one process: nothing to do).
 
 Start (``starts``, ours; auto-round starts at RTN): a weight ``W₀`` rounded in ``W``'s place on ``W``'s grid,
 ``Q(W) = s · (clamp(⌊W₀/s + V⌉ + z, 0, M) − z)`` with ``s``, ``z`` as above. With ``W₀`` GPTQ's dequantized weight on
@@ -93,20 +96,43 @@ def _order(n: int, batch: int, seed: int):
         at += batch
 
 
+_LOSS = ""  # the loss's key among the float64 sums (no weight is named "")
+
+
+def _sample_gradients(forward, leaves: dict[str, torch.Tensor], samples: list, count: int) -> dict[str, torch.Tensor]:
+    """The float64 sums, over ``samples`` (``(input, target)`` pairs, each run through ``forward`` on its own), of the
+    mini-batch loss's gradient with respect to each of ``leaves`` and of the loss itself (key `_LOSS`); ``count``: the
+    mini-batch's samples on every process, each sample's error weighing 1/count of the mean."""
+    sums = {n: torch.zeros(leaf.shape, dtype=torch.float64) for n, leaf in leaves.items()}
+    sums[_LOSS] = torch.zeros((), dtype=torch.float64)
+    for x, target in samples:
+        dtype = torch.promote_types(target.dtype, torch.float32)  # the error in float32 at least
+        error = (forward(leaves, x).to(dtype) - target.to(dtype)).square().mean() / count
+        error.backward()
+        sums[_LOSS] += error.detach().double()
+        for n, leaf in leaves.items():
+            if leaf.grad is not None:  # a weight the forward did not reach has no gradient
+                sums[n] += leaf.grad.double()
+                leaf.grad = None
+    return sums
+
+
 def autoround(
-    forward: Callable[[dict[str, torch.Tensor], list], torch.Tensor],
+    forward: Callable[[dict[str, torch.Tensor], Any], torch.Tensor],
     weights: dict[str, torch.Tensor],
     inputs: list,
     targets: list[torch.Tensor],
     config: AutoRoundConfig,
     grids: dict[str, QuantScheme | Any],
     starts: dict[str, torch.Tensor] | None = None,
+    reduce: Callable[[list[torch.Tensor]], None] = lambda parts: None,
 ) -> AutoRoundResult:
     """Learn ``V``, ``α``, ``β`` for ``weights`` (name → ``[out, in]``; not modified) so that ``forward(Q(weights),
-    [inputs[i], ...])`` matches ``torch.cat([targets[i], ...])`` for every mini-batch of samples; ``grids``: each
-    weight's grid (an integer `QuantScheme`, or a rounding object as the module says). Parameters take the weights' dtype (float32 at least); ``forward`` must be
-    differentiable in the weights it is given. ``starts``: the weights rounded in ``weights``' place, by name
-    (those not named: their own weight)."""
+    inputs[i])`` matches ``targets[i]`` over every mini-batch of samples; ``grids``: each weight's grid (an integer
+    `QuantScheme`, or a rounding object as the module says). Parameters take the weights' dtype (float32 at least);
+    ``forward`` must be differentiable in the weights it is given. ``starts``: the weights rounded in ``weights``' place, by name
+    (those not named: their own weight). ``inputs``/``targets``: one per sample, over every process; a sample another
+    process holds is None here. ``reduce``: sums float64 tensors over the processes, in place."""
     ws = {n: w.detach() if w.dtype == torch.float64 else w.detach().float() for n, w in weights.items()}
     w0 = {n: ((starts or {}).get(n, w)).detach().to(w.dtype) for n, w in ws.items()}
     rounding = {n: IntRounding(g) if isinstance(g, QuantScheme) else g for n, g in grids.items()}
@@ -117,16 +143,15 @@ def autoround(
     batches = _order(len(inputs), min(config.batch_size, len(inputs)), config.seed) if config.iters > 0 else None
     for step in range(config.iters):
         current = {n: p.trainable(config.minmax_tuning) for n, p in params.items()}
+        picked = next(batches)
         with torch.enable_grad():
             quantized = {n: rounding[n].qdq(ws[n], current[n], w0[n]) for n in ws}
             leaves = {n: q.detach().requires_grad_() for n, q in quantized.items()}  # the block's graph, apart from qdq's
-            picked = next(batches)
-            target = torch.cat([targets[i] for i in picked])
-            dtype = torch.promote_types(target.dtype, torch.float32)  # the error in float32 at least
-            error = (forward(leaves, [inputs[i] for i in picked]).to(dtype) - target.to(dtype)).square().mean()
-            error.backward()
-            loss = float(error.detach())
-            torch.autograd.backward(list(quantized.values()), [leaves[n].grad for n in quantized])
+            sums = _sample_gradients(forward, leaves, [(inputs[i], targets[i]) for i in picked if inputs[i] is not None],
+                                     len(picked))
+            reduce(list(sums.values()))
+            loss = float(sums.pop(_LOSS))
+            torch.autograd.backward(list(quantized.values()), [sums[n].to(quantized[n].dtype) for n in quantized])
         losses.append(loss)
         if not config.best or loss < (losses[best_step] if best_step >= 0 else float("inf")):
             chosen, best_step = {n: p.detached() for n, p in current.items()}, step
@@ -141,5 +166,5 @@ def autoround_linear(weight: torch.Tensor, inputs: list[torch.Tensor], config: A
                      grid: QuantScheme) -> AutoRoundResult:
     """One linear layer ``y = x Wᵀ`` (``weight [out, in]``, each input ``[..., in]``), fitted to its float outputs."""
     targets = [x.to(weight.dtype) @ weight.detach().T for x in inputs]
-    return autoround(lambda ws, xs: torch.cat(xs).to(ws["weight"].dtype) @ ws["weight"].T, {"weight": weight}, inputs,
-                     targets, config, {"weight": grid})
+    return autoround(lambda ws, x: x.to(ws["weight"].dtype) @ ws["weight"].T, {"weight": weight}, inputs, targets,
+                     config, {"weight": grid})

@@ -126,8 +126,8 @@ def test_two_layers_learn_together():
     torch.manual_seed(5)
     w1, w2 = torch.randn(32, 64) * 0.05, torch.randn(16, 32) * 0.05
     xs = [torch.randn(4, 64) for _ in range(8)]
-    forward = lambda ws, batch: torch.relu(torch.cat(batch) @ ws["a"].T) @ ws["b"].T  # noqa: E731
-    targets = [forward({"a": w1, "b": w2}, [x]) for x in xs]
+    forward = lambda ws, x: torch.relu(x @ ws["a"].T) @ ws["b"].T  # noqa: E731
+    targets = [forward({"a": w1, "b": w2}, x) for x in xs]
     grids = {"a": QuantScheme(3, True, 32), "b": QuantScheme(3, True, 32)}
     result = autoround(forward, {"a": w1, "b": w2}, xs, targets, AutoRoundConfig(iters=25, batch_size=8), grids)
     assert result.losses[result.best_step] < 0.8 * result.losses[0]
@@ -151,7 +151,7 @@ def test_gptq_start_is_gptq_and_learns_from_it(sym):
     x = torch.cat(xs)
     want = gptq(w, 2 * x.T @ x / len(x), GPTQConfig(grid, act_order=True, mse=False))
     start = {"weight": want.weight}
-    forward = lambda ws, batch: torch.cat(batch) @ ws["weight"].T  # noqa: E731
+    forward = lambda ws, x: x @ ws["weight"].T  # noqa: E731
     targets = [x @ w.T for x in xs]
     got = autoround(forward, {"weight": w}, xs, targets, AutoRoundConfig(iters=0), {"weight": grid}, start).layers["weight"]
     for field in ("codes", "scale", "zero", "weight"):

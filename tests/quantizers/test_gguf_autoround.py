@@ -30,7 +30,7 @@ def _layer(seed: int, out: int = 6, width: int = 512, samples: int = 6, dtype=to
 
 
 def _fit(w, config, rounding, xs):
-    forward = lambda ws, batch: torch.cat(batch).to(ws["w"].dtype) @ ws["w"].T  # noqa: E731
+    forward = lambda ws, x: x.to(ws["w"].dtype) @ ws["w"].T  # noqa: E731
     targets = [x.to(w.dtype) @ w.T for x in xs]
     return autoround(forward, {"w": w}, xs, targets, config, {"w": rounding})
 
@@ -131,7 +131,7 @@ def test_gptq_start_without_steps_writes_gguf_gptqs_bytes(kind):
     config = GGUFGPTQConfig(kind, compare_rtn=False)
     want = gguf_gptq(w, _hessian(xs), config)
     rounding, start = gptq_start(w, _hessian(xs), config)
-    forward = lambda ws, batch: torch.cat(batch) @ ws["w"].T  # noqa: E731
+    forward = lambda ws, x: x @ ws["w"].T  # noqa: E731
     got = autoround(forward, {"w": w}, xs, [x @ w.T for x in xs], AutoRoundConfig(iters=0), {"w": rounding},
                     {"w": start}).layers["w"]
     assert np.array_equal(got.data, want.data) and torch.equal(got.weight, want.weight)
@@ -151,7 +151,7 @@ def test_steps_from_gptq_move_codes_and_keep_the_output_error_at_most_gptqs(kind
     rounding, start = gptq_start(w, _hessian(xs), config)
     x = torch.cat(xs)
     error = lambda q: float(((x @ q.T - x @ w.T) ** 2).mean())  # noqa: E731
-    forward = lambda ws, batch: torch.cat(batch) @ ws["w"].T  # noqa: E731
+    forward = lambda ws, x: x @ ws["w"].T  # noqa: E731
     config = AutoRoundConfig(iters=30, batch_size=len(xs), minmax_tuning=False)
     result = autoround(forward, {"w": w}, xs, [x @ w.T for x in xs], config, {"w": rounding}, {"w": start})
     assert result.losses[0] == pytest.approx(error(gptq_weight), rel=1e-5)

@@ -5,16 +5,18 @@
 Inputs and targets, as auto-round takes them: the block's calibration windows as the compressed model feeds them
 (``enable_quanted_input``; else the uncompressed model's), fitted to the uncompressed block's outputs on the
 uncompressed model's inputs (`compress.engine.reference`, which `Method.block_inputs` asks the engine to carry).
-One window is one sample; each step runs its ``batch_size`` windows through the block as one batch (`_joined`), as
-auto-round does. ``init=gptq`` starts the rounding at GPTQ's (act order, min-max static groups: RTN's grid) on each
-layer's Hessian of the block's inputs, which the method then asks the engine for.
+One window is one sample; each step's ``batch_size`` windows run through the block one at a time, their gradients
+summed in float64 (`compress.quantizers.autoround`). Under a launcher each process runs the windows it holds and
+the sums are all-reduced, so every process takes one process's steps and keeps its bytes. ``init=gptq`` starts the
+rounding at GPTQ's (act order, min-max static groups: RTN's grid) on each layer's Hessian of the block's inputs,
+which the method then asks the engine for.
 """
 
 from __future__ import annotations
 
 import enum
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from pydantic import Field, TypeAdapter, model_validator
@@ -30,6 +32,9 @@ from compress.engine.statistics import Stat
 from compress.errors import CompressError
 from compress.quantizers.autoround import AutoRoundConfig, autoround
 from compress.quantizers.gptq import GPTQConfig, gptq
+
+if TYPE_CHECKING:
+    from compress.engine.ranks import Ranks
 
 
 class Start(str, enum.Enum):
@@ -77,21 +82,23 @@ def _windows(batches) -> list:
     return calls
 
 
-def _joined(values: list):
-    """One block call of the windows ``values`` (each `_windows`' cut of one window): the inverse of
-    `one_pass.windows_of`. A tensor of 2 or more dimensions with one window first (what `windows_of` cuts) is
-    concatenated along dim 0 unless every window holds the very same one (an argument its capture broadcasts over
-    the batch); any other value is shared by the windows, and the first window's is taken."""
-    first = values[0]
-    if isinstance(first, torch.Tensor):
-        if first.dim() < 2 or first.shape[0] != 1 or all(v is first for v in values):
-            return first
-        return torch.cat(values)
-    if isinstance(first, (tuple, list)):
-        return type(first)(_joined([v[i] for v in values]) for i in range(len(first)))
-    if isinstance(first, dict):
-        return {k: _joined([v[k] for v in values]) for k in first}
-    return first
+def _everyones(ranks: Ranks, held: list) -> list:
+    """Every process's windows in one list, in the order one process holds them (ranks hold contiguous shares, in
+    rank order: `Ranks.local_share`), those of other processes None."""
+    counts = [int(c) for c in ranks.gather(len(held))]
+    before = sum(counts[: ranks.rank])
+    return [None] * before + held + [None] * (sum(counts) - before - len(held))
+
+
+def _summing(ranks: Ranks):
+    """The core's ``reduce``: float64 tensors summed over the processes in one all-reduce (one process: nothing)."""
+    def reduce(parts: list[torch.Tensor]) -> None:
+        if ranks.world == 1:
+            return
+        flat = ranks.sum_(torch.cat([p.reshape(-1) for p in parts]))
+        for part, summed in zip(parts, flat.split([p.numel() for p in parts])):
+            part.copy_(summed.view_as(part))
+    return reduce
 
 
 def _graph_ready(value):
@@ -153,8 +160,6 @@ class AutoRound(Method):
     def transform_block(self, block, layers, stats, replay=None) -> list[LayerReport]:
         if replay is None or replay.inputs is None or replay.reference is None:
             raise CompressError(f"autoround fits decoder blocks: exclude {next(iter(layers))}, outside them")
-        if replay.ranks.world > 1:
-            raise CompressError("autoround runs in one process: launch it without torchrun/accelerate")
         start = time.perf_counter()
         relative = {module: name for name, module in block.named_modules()}
         selected = {relative[m]: full for full, m in layers.items()}  # relative name -> full name
@@ -162,19 +167,19 @@ class AutoRound(Method):
         weights = {rel: get_weight(m).detach().float() for rel, m in modules.items()}
         grids, starts = self.rounding(selected, weights, stats)
         stream = replay.inputs if self.config.enable_quanted_input else replay.reference.inputs
-        inputs = _windows(stream)
-        targets = [call[0] for call in _windows([(y, (), {}) for y in replay.reference.outputs()])]
+        inputs = _everyones(replay.ranks, _windows(stream))
+        targets = _everyones(replay.ranks, [call[0] for call in _windows([(y, (), {}) for y in replay.reference.outputs()])])
         fixed = {name: _graph_ready(p.detach()) for name, p in block.named_parameters()}
 
-        def forward(ws: dict[str, torch.Tensor], calls: list) -> torch.Tensor:
+        def forward(ws: dict[str, torch.Tensor], call) -> torch.Tensor:
             swapped = dict(fixed)
             for rel, w in ws.items():
                 stored = modules[rel].weight
                 swapped[f"{rel}.weight"] = (w.t() if is_conv1d(modules[rel]) else w).to(stored.dtype)
-            hidden, args, kwargs = _graph_ready(_joined(calls) if len(calls) > 1 else calls[0])
+            hidden, args, kwargs = _graph_ready(call)
             return block_output(functional_call(block, swapped, (hidden, *args), kwargs))
 
-        result = autoround(forward, weights, inputs, targets, self.config.core(), grids, starts)
+        result = autoround(forward, weights, inputs, targets, self.config.core(), grids, starts, _summing(replay.ranks))
         reports = []
         with torch.no_grad():
             for rel, full in selected.items():

@@ -100,29 +100,6 @@ def test_a_resumed_run_writes_the_same_bytes(tmp_path, tiny_llama, monkeypatch):
     assert not killed.exists()  # the killed run's directory became the output: the run went on from it
 
 
-def test_a_step_joins_its_windows_as_the_capture_held_them():
-    """`_joined` of windows cut from captures (`one_pass.windows_of`) is the batch of those windows, in the step's
-    order: cut tensors concatenated, a broadcast argument and a 1-D one kept."""
-    from compress.engine.methods.autoround import _joined, _windows
-
-    g = torch.Generator().manual_seed(0)
-    batches = []
-    for count in (3, 1):
-        hidden, ids = torch.randn(count, 5, 4, generator=g), torch.arange(count * 5).reshape(count, 5)
-        kwargs = {"position_ids": ids, "cos": torch.randn(1, 5, 2, generator=g), "cache_position": torch.arange(5),
-                  "mask": None}
-        batches.append((hidden, (), kwargs))
-    calls = _windows(batches)
-    picked = [3, 0, 2]  # the second capture's window, then two of the first's
-    hidden, args, kwargs = _joined([calls[i] for i in picked])
-    assert torch.equal(hidden, torch.cat([batches[1][0], batches[0][0][0:1], batches[0][0][2:3]]))
-    assert torch.equal(kwargs["position_ids"], torch.cat([batches[1][2]["position_ids"], batches[0][2]["position_ids"][[0, 2]]]))
-    assert kwargs["cos"].shape == (3, 5, 2) and torch.equal(kwargs["cos"][1], batches[0][2]["cos"][0])
-    assert args == () and kwargs["mask"] is None and torch.equal(kwargs["cache_position"], torch.arange(5))
-    same = _joined([calls[0], calls[2]])[2]["cos"]  # windows of one capture share its broadcast argument
-    assert same is batches[0][2]["cos"]
-
-
 def test_gptq_start_without_steps_writes_gptq(tmp_path, tiny_llama):
     """``init=gptq`` with no steps is act-order GPTQ on min-max static groups, the Hessians of one pass per block, on
     the same (full-range) grid."""

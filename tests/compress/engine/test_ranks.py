@@ -32,6 +32,10 @@ CASES = {
     "gguf-gptq": ["export", "--type", "q4_k_m", "--method", "gptq", *CALIB],
     "gguf-gptq-asymmetric": ["export", "--type", "q4_k", "--method", "gptq", "-O", "asymmetric=true", *CALIB],
     "imatrix": ["imatrix", *CALIB],
+    # a block's windows split over the ranks: each step's gradients all-reduced (4 of the 6 windows a step)
+    "autoround": ["quantize", "--method", "autoround", "--bits", "3", "-O", "iters=4", "-O", "batch_size=4", *CALIB],
+    "gguf-autoround": ["export", "--type", "q4_k_m", "--method", "autoround", "-O", "iters=8", "-O", "batch_size=4",
+                       *CALIB],
 }
 FILE_OUTPUTS = {"export", "imatrix"}  # one GGUF file, compared byte for byte
 
