@@ -20,8 +20,9 @@ activations and logits.
 
 Ranks (torchrun): each rank runs its contiguous share of every step's windows (`Ranks.local_share`); the loss's
 sums and the gradients of R1 and R2 are summed over the ranks in float64 (every rank receives the same bits), so
-every rank takes the same step and writes the same checkpoint, that of one process up to the order in which the
-windows' float64 gradients are summed.
+every rank takes the same step. Each step is one process's up to float rounding (the windows' gradients are summed
+in another order), a difference that the quantized loss's rounding can amplify over later steps. The `rotate`
+method runs it in one process (a launcher is refused: every rank would write the output).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -90,7 +91,7 @@ def test_learned_rotations_stay_orthogonal_and_each_block_has_its_r2(tmp_path, t
     windows = load_calibration(CALIB_TEXT, load_tokenizer(model), 4, 32, 0)
     q, r = random_hadamard(48, 0), random_hadamard(12, 1).expand(2, 12, 12).clone()
     training = Training(6, 1.5, 0.5, 4, 2, QuantScheme(3, True, 16), ActivationPreset.INT8_TOKEN.scheme())
-    learned = learn_rotations(open_model(model), rotation_layout("llama"), q, r, {}, windows, training)
+    learned = learn_rotations(open_model(Path(model)), rotation_layout("llama"), q, r, {}, windows, training)
     eye = lambda n: torch.eye(n, dtype=torch.float64)  # noqa: E731
     assert (learned.q.T @ learned.q - eye(48)).abs().max() < 1e-12
     assert (learned.r.transpose(1, 2) @ learned.r - eye(12)).abs().max() < 1e-12
@@ -181,3 +182,48 @@ def test_without_calibration_or_under_a_launcher_learned_is_refused(tmp_path, ti
     with pytest.raises(CompressError, match="rewrites the checkpoint in one process: run it without a launcher") as caught:
         _rotate(model, tmp_path / "rotated", kind="learned")
     assert "\n" not in str(caught.value) and not (tmp_path / "rotated").exists()
+
+
+def _learn_on_rank(rank: int, init: str, model: str, windows: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from compress.engine.ranks import Ranks
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    ranks = Ranks(rank, 2)
+    torch.save(_learn(model, torch.load(windows), ranks), out.format(rank))
+    ranks.close()
+
+
+def _learn(model, windows, ranks=None):
+    from compress.checkpoints.model_io import open_model
+    from compress.checkpoints.rotation_layouts import rotation_layout
+    from compress.engine.rotation_learning import Training, learn_rotations
+    from compress.quantizers.activations import ActivationPreset
+    from compress.quantizers.grid import QuantScheme
+    from compress.quantizers.hadamard import random_hadamard
+
+    q, r = random_hadamard(48, 0), random_hadamard(12, 1).expand(2, 12, 12).clone()
+    training = Training(1, 1.5, 0.5, 6, 2, QuantScheme(3, True, 16), ActivationPreset.INT4_TOKEN.scheme())
+    extra = {} if ranks is None else {"ranks": ranks}
+    learned = learn_rotations(open_model(Path(model)), rotation_layout("llama"), q, r, {}, windows, training, **extra)
+    return learned.q, learned.r, learned.losses
+
+
+def test_two_processes_take_the_steps_of_one(tmp_path, tiny_tokenizer):
+    """Each of 2 gloo ranks runs its share of the step's windows and the gradients are summed: both take the same
+    step, one process's to 1e-12 (the windows' gradients are summed in another order, a difference that the quantized
+    loss's rounding can amplify over later steps)."""
+    import torch.multiprocessing as mp
+
+    model = _random_model(tmp_path, tiny_llama_config(**_SMALL), tiny_tokenizer)
+    windows = load_calibration(CALIB_TEXT, load_tokenizer(model), 8, 32, 0)
+    torch.save(windows, tmp_path / "windows.pt")
+    out = str(tmp_path / "rank{}.pt")
+    mp.start_processes(_learn_on_rank, args=(f"file://{tmp_path / 'store'}", str(model), str(tmp_path / "windows.pt"), out),
+                       nprocs=2, start_method="spawn")
+    q, r, losses = _learn(model, windows)
+    (q0, r0, losses0), (q1, r1, losses1) = (torch.load(out.format(rank)) for rank in (0, 1))
+    assert torch.equal(q0, q1) and torch.equal(r0, r1) and losses0 == losses1  # every rank the same bits
+    assert torch.allclose(q0, q, atol=1e-12) and torch.allclose(r0, r, atol=1e-12)
+    assert losses0 == pytest.approx(losses, rel=1e-5)
