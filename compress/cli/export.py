@@ -63,6 +63,9 @@ def export_command(
     if rotate_online:
         raise CompressError("--rotate-online: GGUF stores weights only and llama.cpp applies no online transform: drop it "
                             "(--rotate alone is fused into the weights), or write a compressed-tensors checkpoint with `compress quantize`")
+    if rotate == "learned":
+        raise CompressError("--rotate learned trains on a calibration set, which export does not take for it: rotate first with "
+                            "`compress run` on a recipe of one rotate stage (kind: learned) and a calibration section, then export its output")
     try:
         target = Target(gguf_type.lower())
     except ValueError:

@@ -227,3 +227,14 @@ def test_two_processes_take_the_steps_of_one(tmp_path, tiny_tokenizer):
     assert torch.equal(q0, q1) and torch.equal(r0, r1) and losses0 == losses1  # every rank the same bits
     assert torch.allclose(q0, q, atol=1e-12) and torch.allclose(r0, r, atol=1e-12)
     assert losses0 == pytest.approx(losses, rel=1e-5)
+
+
+def test_export_refuses_a_learned_rotation_in_one_line(tmp_path, tiny_tokenizer):
+    from typer.testing import CliRunner
+
+    from compress.cli import app
+
+    model = _random_model(tmp_path, tiny_llama_config(**_SMALL), tiny_tokenizer)
+    done = CliRunner().invoke(app, ["export", str(model), "-o", str(tmp_path / "r.gguf"), "--type", "f16", "--rotate", "learned"])
+    assert done.exit_code == 2 and "rotate first with `compress run`" in done.output, done.output
+    assert len(done.output.strip().splitlines()) == 1 and not (tmp_path / "r.gguf").exists()
