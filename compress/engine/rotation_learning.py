@@ -3,8 +3,8 @@
 
 The loss is the next-token cross entropy, averaged over the tokens of a step's calibration windows, of the rotated
 model (`compress.engine.rotation.Rotator`'s weights, differentiable in R1 and R2) where every linear layer of the
-blocks computes with its rotated weight fake-quantized by round-to-nearest, and, if asked, with its input
-fake-quantized per token; both straight-through (the forward sees the grid's values, the gradient passes as if
+blocks computes with its rotated weight fake-quantized by round-to-nearest (or in float: SpinQuant's setting before
+GPTQ) and, if asked, with its input fake-quantized per token; both straight-through (the forward sees the grid's values, the gradient passes as if
 unrounded). Online rotations (R4, inputs) are applied to the layers' inputs as at run time, before their grid. The
 embeddings and the output layer stay in float, as SpinQuant's: the window's embeddings ``E[ids] R1``, and the
 output layer applied as ``(h R1ᵀ) diag(offset + γ) Wᵀ``, the rotated output layer's function without rotating the
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import torch
 import torch.nn.functional as F
@@ -37,7 +37,6 @@ from torch.func import functional_call
 
 from compress.checkpoints.model_io import ModelHandle, quantizable_layers
 from compress.checkpoints.rotation_layouts import RotationLayout
-from compress.engine.ranks import Ranks
 from compress.engine.rotation import Rotator
 from compress.engine.structured import stored_parameters
 from compress.errors import CompressError
@@ -45,6 +44,9 @@ from compress.quantizers.activations import ActivationScheme, quantize_activatio
 from compress.quantizers.cayley import cayley_sgd
 from compress.quantizers.grid import QuantScheme, fake_quantize
 from compress.quantizers.rotation import rotate_reader
+
+if TYPE_CHECKING:
+    from compress.engine.ranks import Ranks
 
 log = logging.getLogger(__name__)
 
@@ -56,7 +58,7 @@ class Training:
     momentum: float
     windows: int  # calibration windows per step
     batch_size: int  # windows per forward pass
-    weights: QuantScheme  # the weights' fake-quantization grid
+    weights: QuantScheme | None  # the weights' fake-quantization grid, or None: float
     activations: ActivationScheme | None  # the layers' inputs' grid (per token), or None
 
 
@@ -100,9 +102,9 @@ class _Model:
         blocks = handle.blocks_name + "."
         self.block_tensors = [n for n in names if n.startswith(blocks)]
         self.linear = {f"{n}.weight": m for n, m in quantizable_layers(model, [handle.block_name(i) for i in range(len(handle.blocks))]).items()}
+        scheme = training.weights
         for name, module in self.linear.items():
-            scheme = training.weights
-            if scheme.group_size != -1 and module.in_features % scheme.group_size:
+            if scheme is not None and scheme.group_size != -1 and module.in_features % scheme.group_size:
                 raise CompressError(f"rotate learned: group_size {scheme.group_size} does not divide the {module.in_features} "
                                     f"inputs of {name.removesuffix('.weight')}: choose a group size dividing every layer's inputs, or -1")
         self.head = self.parameters[layout.head if layout.head in names else layout.embeddings]
@@ -130,7 +132,8 @@ class _Model:
         rotated, leaves = {}, {}
         for name in self.block_tensors:
             value = rotator.tensor(name)
-            rounded = fake_quantize(value.detach(), self.training.weights) if name in self.linear else value.detach()
+            quantized = name in self.linear and self.training.weights is not None
+            rounded = fake_quantize(value.detach(), self.training.weights) if quantized else value.detach()
             if value.requires_grad:
                 rotated[name] = value
             leaves[name] = rounded.requires_grad_(value.requires_grad)
@@ -152,10 +155,14 @@ class _Model:
 
 
 def learn_rotations(handle: ModelHandle, layout: RotationLayout, q: torch.Tensor | None, r: torch.Tensor | None,
-                    online: dict[str, torch.Tensor], calibration: torch.Tensor, training: Training, ranks: Ranks = Ranks(),
+                    online: dict[str, torch.Tensor], calibration: torch.Tensor, training: Training, ranks: Ranks | None = None,
                     progress: Callable[[str, int, int], None] | None = None) -> Learned:
     """R1 ``q [hidden, hidden]`` and R2 ``r [blocks, d, d]`` (each None: not learned) trained from their values
     given, on ``calibration [samples, seq_len]`` (the windows of step ``s``: ``s·windows …`` cyclically)."""
+    if ranks is None:
+        from compress.engine.ranks import Ranks  # here: ranks imports the methods, whose rotate imports this module
+
+        ranks = Ranks()
     model = _Model(handle, layout, online, training)
     q = None if q is None else q.to(torch.float64)
     r = None if r is None else r.to(torch.float64)
