@@ -12,8 +12,9 @@ Methods that need calibration data get ``--calib``; extra method settings follow
 online, `--rotate-online inputs`); ``+no-r1`` / ``+no-r2``: without the fused
 residual-stream / value rotation, the rotate stage's ``residual: false`` / ``heads: false``, e.g.
 ``random-hadamard+no-r1+no-r2+r4`` for R4 alone; ``+b16``: every rotation in blocks of 16, ``block: 16``; ``+s1``: the
-random signs' seed 1). ``learned`` trains R1 and R2 on the row's grid (its bits, group size and the method's
-``activations``) on the calibration windows; ``+tN``: N Cayley SGD steps, ``+wN``: N windows per step).
+random signs' seed 1). ``learned`` trains R1 and R2 on the calibration windows against the loss of the model on the
+row's input grid (the method's ``activations``; the weights in float, as SpinQuant does before GPTQ), or without one
+on the row's weight grid; ``+tN``: N Cayley SGD steps, ``+wN``: N windows per step).
 """
 
 from __future__ import annotations
@@ -70,8 +71,9 @@ def quality_row(args: argparse.Namespace, spec: str, bits: int, group: int, rota
     name, options = parse_method(spec)
     method = method_class(name)(method_class(name).Config(**options))
     rotate = [] if rotation == "none" else [rotate_stage(rotation)]
-    if rotate and rotate[0]["kind"] == "learned":  # trained on the grid of the row
-        rotate[0].update(train_bits=bits, train_group_size=group, **{"train_activations": options[k] for k in ("activations",) if k in options})
+    if rotate and rotate[0]["kind"] == "learned":  # trained on the row's inputs' grid if it has one, else its weights'
+        rotate[0].update({"train_bits": None, "train_activations": options["activations"]} if "activations" in options
+                         else {"train_bits": bits, "train_group_size": group})
     data = {
         "model": args.model,
         "stages": rotate + [{"method": name, "bits": bits, "group_size": group, **options}],

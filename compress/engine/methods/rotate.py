@@ -63,8 +63,9 @@ class RotateConfig(MethodConfig):
     lr: float = Field(1.5, gt=0, description="learned: the learning rate (SpinQuant's 1.5; each step is also at most 1 / ‖W‖₁)")
     momentum: float = Field(0.0, ge=0, lt=1, description="learned: Cayley SGD's momentum")
     windows: int = Field(4, ge=1, description="learned: calibration windows per step, taken in turn (cycling)")
-    train_bits: int = Field(4, ge=MIN_BITS, le=MAX_BITS, description="learned: the bits of the weights' grid the loss is "
-                      "measured on (round to nearest, symmetric)")
+    train_bits: Optional[int] = Field(4, ge=MIN_BITS, le=MAX_BITS, description="learned: the bits of the weights' grid the "
+                                      "loss is measured on (round to nearest, symmetric); null: the weights in float, the "
+                                      "inputs alone quantized (SpinQuant's setting before GPTQ, which then fits the weights)")
     train_group_size: int = Field(-1, description="learned: that grid's columns per scale; -1: one scale per output channel")
     train_activations: Optional[ActivationPreset] = Field(None, description="learned: also fake-quantize the layers' inputs: "
                                                     "a dynamic preset (int4-token, int8-token, fp8-token, fp8-group, mxfp4)")
@@ -82,6 +83,9 @@ class RotateConfig(MethodConfig):
             if self.train_activations is not None and not self.train_activations.scheme().dynamic:
                 raise ValueError(f"train_activations {self.train_activations.value} needs a calibrated static scale, which the training does "
                                  "not fit: use a dynamic preset (int4-token, int8-token, fp8-token, fp8-group, mxfp4)")
+            if self.train_bits is None and self.train_activations is None:
+                raise ValueError("train_bits null without train_activations quantizes nothing, and a rotation keeps the float "
+                                 "model's loss: give train_bits or train_activations")
             if self.train_group_size != -1 and self.train_group_size < 1:
                 raise ValueError(f"train_group_size {self.train_group_size}: give a positive number of columns, or -1")
         return self
@@ -163,11 +167,12 @@ class Rotate(CheckpointMethod):
                                 "(torchrun), then launch the other stages on its output")
         blocks = config["num_hidden_layers"]
         r = None if r is None else r.expand(blocks, *r.shape).clone()
-        training = Training(cfg.steps, cfg.lr, cfg.momentum, cfg.windows, batch_size, QuantScheme(cfg.train_bits, True, cfg.train_group_size),
+        weights = None if cfg.train_bits is None else QuantScheme(cfg.train_bits, True, cfg.train_group_size)
+        training = Training(cfg.steps, cfg.lr, cfg.momentum, cfg.windows, batch_size, weights,
                             None if cfg.train_activations is None else cfg.train_activations.scheme())
         learned = learn_rotations(handle, layout, q, r, online, calibration, training, progress=progress)
         handle.release(handle.model)  # the whole model the training loaded
-        grid = f"W{cfg.train_bits}" + (f" g{cfg.train_group_size}" if cfg.train_group_size != -1 else "") + (
+        grid = ("float weights" if weights is None else f"W{cfg.train_bits}" + (f" g{cfg.train_group_size}" if cfg.train_group_size != -1 else "")) + (
             f", inputs {cfg.train_activations.value}" if cfg.train_activations else "")
         return learned.q, learned.r, (f"learned by {cfg.steps} Cayley SGD steps (lr {cfg.lr}, {cfg.windows} windows each) on the "
                                       f"{grid} model's loss: {learned.losses[0]:.4f} at the first step, {learned.losses[-1]:.4f} at the last")

@@ -107,37 +107,50 @@ def _rtn(w: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.clamp(torch.round(w / s), -(2 ** (bits - 1)), 2 ** (bits - 1) - 1) * s
 
 
-def _quantized_loss(path, windows, bits: int) -> float:
-    """The mean next-token cross entropy on ``windows`` of ``path`` with every block linear weight on ``bits``."""
+def _int4_per_token(module, args):
+    """Textbook symmetric int4 per token: ``s = max|x| / 7``, codes ``−7 … 7``."""
+    x = args[0]
+    s = x.abs().amax(dim=-1, keepdim=True) / 7
+    return (torch.clamp(torch.round(x / torch.where(s > 0, s, 1.0)), -7, 7) * s, *args[1:])
+
+
+def _quantized_loss(path, windows, bits: int | None, inputs: bool) -> float:
+    """The mean next-token cross entropy on ``windows`` of ``path`` with every block linear weight on ``bits`` (None:
+    float) and, with ``inputs``, every block linear layer's input on int4 per token."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and ".layers." in name:
-                module.weight.copy_(_rtn(module.weight, bits))
+                if bits is not None:
+                    module.weight.copy_(_rtn(module.weight, bits))
+                if inputs:
+                    module.register_forward_pre_hook(_int4_per_token)
         logits = model(windows).logits
     return float(F.cross_entropy(logits[:, :-1].flatten(0, 1), windows[:, 1:].flatten()))
 
 
-def test_the_quantized_loss_falls_below_the_random_hadamard_start(outlier_model, tmp_path):
-    """The reference model with outlier channels: every step on all 8 windows, W3 per channel; the training's first
-    loss is the random-hadamard checkpoint's quantized loss as computed here, its last one is above the learned
-    checkpoint's, which is below the start's."""
+@pytest.mark.parametrize("bits, inputs", [(3, False), (None, True)])
+def test_the_quantized_loss_falls_below_the_random_hadamard_start(bits, inputs, outlier_model, tmp_path):
+    """The reference model with outlier channels: every step on all 8 windows, W3 per channel or (SpinQuant's setting
+    before GPTQ) float weights and int4 per-token inputs; the training's first loss is the random-hadamard checkpoint's
+    quantized loss as computed here, its last one is above the learned checkpoint's, which is below the start's."""
     settings = dict(samples=8, seq_len=64, seed=3)
-    learned = _rotate(outlier_model, tmp_path / "learned", kind="learned", steps=8, windows=8, train_bits=3, **settings)
+    grid = {"train_bits": bits, **({"train_activations": "int4-token"} if inputs else {})}
+    learned = _rotate(outlier_model, tmp_path / "learned", kind="learned", steps=8, windows=8, **grid, **settings)
     start = _rotate(outlier_model, tmp_path / "start", kind="random-hadamard", **settings)
     windows = load_calibration(CALIB_TEXT, load_tokenizer(outlier_model), 8, 64, 0)
     note = next(n for n in learned.notes if n.startswith("learned by"))
     first, last = (float(x) for x in re.findall(r"(\d+\.\d+) at the", note))
-    before, after = _quantized_loss(start.output, windows, 3), _quantized_loss(learned.output, windows, 3)
+    before, after = (_quantized_loss(p, windows, bits, inputs) for p in (start.output, learned.output))
     assert abs(first - before) < 2e-4 + 1e-4 * before  # the training's loss is this model's, to float32's sums
     assert after < before - 0.01 and after < last, (before, last, after)
 
 
 def test_the_cli_quantizes_after_a_learned_rotation_on_the_stages_grid(tmp_path, tiny_tokenizer):
-    """``--rotate learned``: trained on the quantize stage's bits, group size and activations, then quantized; the
-    output's record names the grid it was trained on."""
+    """``--rotate learned``: trained on the quantize stage's input grid (the weights in float, SpinQuant's setting
+    before the weights are fitted), or without one on its weight grid; the output's record names it."""
     from typer.testing import CliRunner
 
     from compress.cli import app
@@ -150,7 +163,13 @@ def test_the_cli_quantizes_after_a_learned_rotation_on_the_stages_grid(tmp_path,
     assert done.exit_code == 0, done.output
     stage = json.loads((out / "config.json").read_text())["compression"]["history"][0]["stages"][0]
     assert stage["kind"] == "learned" and stage["online"] == ["r4"]
-    assert (stage["train_bits"], stage["train_group_size"], stage["train_activations"]) == (4, 16, "int4-token")
+    assert (stage["train_bits"], stage["train_activations"]) == (None, "int4-token")
+    done = CliRunner().invoke(app, ["quantize", str(model), "-o", str(out), "--overwrite", "--method", "rtn", "--bits", "3",
+                                    "--group-size", "16", "--rotate", "learned", "--calib", str(CALIB_TEXT), "--samples", "4",
+                                    "--seq-len", "32"])
+    assert done.exit_code == 0, done.output
+    stage = json.loads((out / "config.json").read_text())["compression"]["history"][0]["stages"][0]
+    assert (stage["train_bits"], stage["train_group_size"], stage["train_activations"]) == (3, 16, None)
 
 
 @pytest.mark.parametrize("settings, needle", [
@@ -158,6 +177,7 @@ def test_the_cli_quantizes_after_a_learned_rotation_on_the_stages_grid(tmp_path,
     ({"kind": "learned", "block": 16}, "a learned rotation mixes every channel: drop block"),
     ({"kind": "learned", "residual": False, "heads": False, "online": ["r4"]}, "learned trains R1 and R2: keep residual or heads"),
     ({"kind": "learned", "train_activations": "int8-tensor"}, "needs a calibrated static scale"),
+    ({"kind": "learned", "train_bits": None}, "train_bits null without train_activations quantizes nothing"),
     ({"kind": "learned", "train_group_size": 40}, "group_size 40 does not divide the 48 inputs"),
 ])
 def test_what_learned_cannot_do_is_one_line(settings, needle, tmp_path, tiny_tokenizer):
