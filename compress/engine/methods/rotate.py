@@ -156,6 +156,11 @@ class Rotate(CheckpointMethod):
             notes.append("the output layer is written apart from the embeddings: the final norm's scale folds into it alone")
         return Rewritten(config, self.record(), notes)
 
+    def record(self) -> dict:
+        """The method's settings; learned's only with kind learned."""
+        record = super().record()
+        return record if self.config.kind is RotationKind.learned else {k: v for k, v in record.items() if k not in _LEARNED}
+
     def _learn(self, handle, layout, config, q, r, online, calibration, batch_size, progress):
         """R1 and one R2 per block trained from ``q`` and ``r`` (`compress.engine.rotation_learning`), and a note."""
         cfg = self.config

@@ -258,3 +258,11 @@ def test_export_refuses_a_learned_rotation_in_one_line(tmp_path, tiny_tokenizer)
     done = CliRunner().invoke(app, ["export", str(model), "-o", str(tmp_path / "r.gguf"), "--type", "f16", "--rotate", "learned"])
     assert done.exit_code == 2 and "rotate first with `compress run`" in done.output, done.output
     assert len(done.output.strip().splitlines()) == 1 and not (tmp_path / "r.gguf").exists()
+
+
+def test_only_a_learned_record_carries_the_training_settings():
+    from compress.engine.registry import method_class
+
+    rotate = method_class("rotate")
+    assert "steps" not in rotate(rotate.Config(kind="hadamard")).record()
+    assert rotate(rotate.Config(kind="learned", steps=5)).record()["steps"] == 5
