@@ -23,7 +23,9 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
+from compress.checkpoints.transforms import KEYS_ATTR
 from compress.errors import CompressError
+from compress.quantizers.rotation import online_rotation
 
 # The cache argument of attention forwards, newest name first (transformers 5.x renamed past_key_values).
 CACHE_ARGUMENTS = ("cache", "past_key_values", "past_key_value")
@@ -109,16 +111,31 @@ class Taps:
             raise CompressError(f"{what}: {unused[0]} {no_hook_reason()}")
 
 
+def _in_rotated_keys(transform: KVTransform, h: torch.Tensor) -> KVTransform:
+    """``transform`` seeing the keys as an R3 rotation stores them (each head's ``k · H / √b``, ``H [b, b]`` ±1) and
+    handing them back in the model's own basis. The consumer rotates the queries alike, so its attention scores are
+    ``q · transform(k H)ᵀ`` in the rotated basis, which is ``q · (transform(k H) Hᵀ)ᵀ`` here: the model's
+    unrotated queries read the same scores."""
+    def rotated(name: str, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        stored, values = transform(name, online_rotation(keys, h), values)
+        return online_rotation(stored, h.T), values
+
+    return rotated
+
+
 @contextmanager
 def tap_kv_cache(modules: dict[str, nn.Module], transform: KVTransform) -> Iterator[Taps]:
-    """While open, every call of ``modules`` writes its keys/values through ``transform`` first."""
+    """While open, every call of ``modules`` writes its keys/values through ``transform`` first; a module with an
+    online R3 rotation (`compress.checkpoints.transforms.KEYS_ATTR`) hands ``transform`` its keys rotated."""
     taps = Taps(list(modules))
     handles = []
 
-    def hook_for(name: str, default_argument: str):
+    def hook_for(name: str, default_argument: str, keys_rotation: torch.Tensor | None):
+        own = transform if keys_rotation is None else _in_rotated_keys(transform, keys_rotation)
+
         def hook(_module, args, kwargs):
             argument = next((a for a in CACHE_ARGUMENTS if a in kwargs), default_argument)
-            kwargs[argument] = KVTap(name, transform, kwargs.get(argument), taps.calls)
+            kwargs[argument] = KVTap(name, own, kwargs.get(argument), taps.calls)
             return args, kwargs
 
         return hook
@@ -128,7 +145,8 @@ def tap_kv_cache(modules: dict[str, nn.Module], transform: KVTransform) -> Itera
             argument = cache_argument(module)
             if argument is None:
                 raise CompressError(f"{name}: {no_hook_reason()}")
-            handles.append(module.register_forward_pre_hook(hook_for(name, argument), with_kwargs=True))
+            handles.append(module.register_forward_pre_hook(hook_for(name, argument, getattr(module, KEYS_ATTR, None)),
+                                                            with_kwargs=True))
         yield taps
     finally:
         for handle in handles:

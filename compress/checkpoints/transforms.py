@@ -9,6 +9,10 @@ same for its R4):
   size of a block-diagonal transform or null for one block of the whole width, ``precision``);
 - a ``location: input`` argument is applied at run time: ``x -> x · diag(H, …, H) / √b`` in ``precision``, ``H
   [b, b]`` the stored ±1 matrix; its ``weight_input``/``inverse`` partner is already fused into the weight;
+- ``q_attn`` and ``k_cache`` together (SpinQuant's R3, on an attention module) rotate each head's queries and keys
+  after RoPE by the same ``diag(H, …, H) / √b``, ``b`` the scheme's ``head_dim``: the attention scores are unchanged
+  and the KV cache stores rotated keys. Only a quantized cache sees it, so it is kept on the module (`KEYS_ATTR`) for
+  the cache's tap (`compress.checkpoints.attention.tap_kv_cache`); one of the two alone is refused;
 - the tensors: ``H`` is stored once per scheme, as ``<first target module>.<scheme>_<location>.weight``
   (compressed-tensors serializes a shared transform weight once; its loaders tie the others to it).
 
@@ -31,8 +35,12 @@ from compress.quantizers.rotation import online_rotation
 
 R4 = "R4"  # SpinQuant's name for the rotation of the down projection's input
 INPUTS = "V"  # QuIP's name for the rotation of every linear layer's input
+R3 = "R3"  # SpinQuant's name for the rotation of each head's queries and keys after RoPE
+ATTENTION = "re:.*self_attn$"  # llm-compressor's SpinQuant mapping of the attention modules
 DOWN_PROJ = "re:.*down_proj$"  # llm-compressor's SpinQuant mapping of the MLP's output layer
 ONLINE_ATTR = "online_input_transform"  # set on a module whose input is transformed at run time
+KEYS_ATTR = "online_key_transform"  # set on an attention module whose queries and keys are rotated (R3): its ±1 H
+ATTENTION_LOCATIONS = ("q_attn", "k_cache")  # R3's two online locations, applied together
 PRECISION = "torch.float32"  # compressed-tensors' default TransformScheme precision, as it serializes it
 TYPES = ("hadamard", "random-hadamard")  # transforms H / √b with a stored ±1 matrix H
 
@@ -52,6 +60,14 @@ def input_rotation_config(scheme_name: str, transform_type: str, head_dim: int |
     scheme = {"type": transform_type, "apply": [args("input", False), args("weight_input", True)], "randomize": False,
               "requires_grad": False, "head_dim": head_dim, "precision": PRECISION}
     return {"config_groups": {scheme_name: scheme}}
+
+
+def r3_config(transform_type: str, head_dim: int, target: str = ATTENTION) -> dict[str, Any]:
+    """The ``config_groups`` entry of an R3 rotation as llm-compressor's SpinQuantModifier builds it: the queries
+    (``q_attn``) and the keys (``k_cache``) of ``target``'s attention, in blocks of ``head_dim``."""
+    scheme = {"type": transform_type, "randomize": False, "requires_grad": False, "head_dim": head_dim, "precision": PRECISION,
+              "apply": [{"targets": [target], "location": where, "inverse": False, "ignore": []} for where in ATTENTION_LOCATIONS]}
+    return {R3: scheme}
 
 
 def transform_config(config: dict[str, Any]) -> dict[str, Any] | None:
@@ -126,10 +142,13 @@ def install_online_transforms(model: nn.Module, config: dict[str, Any], read: Ca
             raise CompressError(f"transform_config scheme {scheme_name}: type {scheme.get('type')!r} is not applied here "
                                 f"(only {', '.join(TYPES)})")
         precision = _precision(scheme.get("precision", PRECISION))
+        attention = [args for args in scheme.get("apply", []) if args.get("location") in ATTENTION_LOCATIONS]
+        if attention:
+            hooked += _keep_key_rotation(modules, scheme_name, scheme, attention, precision, read)
         for args in scheme.get("apply", []):
             location = args.get("location")
-            if location in ("weight_input", "weight_output"):
-                continue  # fused into the stored weights
+            if location in ("weight_input", "weight_output", *ATTENTION_LOCATIONS):
+                continue  # fused into the stored weights, or kept for the KV cache (`_keep_key_rotation`)
             if location != "input":
                 raise CompressError(f"transform_config scheme {scheme_name}: online location {location!r} is not applied "
                                     "here (only input)")
@@ -152,6 +171,33 @@ def install_online_transforms(model: nn.Module, config: dict[str, Any], read: Ca
                 _hook(module, matrix)
                 hooked += 1
     return hooked
+
+
+def _keep_key_rotation(modules: list, scheme_name: str, scheme: dict, attention: list[dict], precision: torch.dtype,
+                       read: Callable[[str], torch.Tensor | None]) -> int:
+    """R3 (``attention``: its ``q_attn`` and ``k_cache`` arguments): each target attention module keeps its ±1 matrix
+    as `KEYS_ATTR`, for the KV cache's tap. Returns the modules given one."""
+    where = sorted(args.get("location") for args in attention)
+    targets = [args.get("targets", []) for args in attention]
+    if where != sorted(ATTENTION_LOCATIONS) or targets[0] != targets[1]:
+        raise CompressError(f"transform_config scheme {scheme_name} rotates {' and '.join(where)} of "
+                            f"{' and '.join(map(str, targets))}: queries and keys of the same modules are rotated "
+                            "together or the scores change; the config is corrupt")
+    chosen = [(n, m) for n, m in modules if matches(n, m, targets[0]) and not matches(n, m, attention[0].get("ignore", []))]
+    stored = [t for n, _ in chosen for w in ATTENTION_LOCATIONS if (t := read(transform_key(n, scheme_name, w))) is not None]
+    if chosen and not stored:
+        raise CompressError(f"transform_config scheme {scheme_name} has no stored matrix "
+                            f"({transform_key(chosen[0][0], scheme_name, ATTENTION_LOCATIONS[0])}): the checkpoint is incomplete")
+    size = scheme.get("head_dim")
+    for name, module in chosen:
+        own = [t for w in ATTENTION_LOCATIONS if (t := read(transform_key(name, scheme_name, w))) is not None]
+        matrix = (own or stored)[0]
+        head_dim = getattr(module, "head_dim", None)
+        if size is None or matrix.shape != (size, size) or (head_dim is not None and head_dim % size):
+            raise CompressError(f"{name}: the {scheme_name} transform is {list(matrix.shape)}, not [{size}, {size}] "
+                                f"dividing its head size {head_dim}: the checkpoint is corrupt")
+        setattr(module, KEYS_ATTR, matrix.to(precision))
+    return len(chosen)
 
 
 @functools.cache

@@ -57,5 +57,5 @@ ROTATE_FUSED_OPT = typer.Option(
 )
 ROTATE_ONLINE_OPT = typer.Option(
     [], "--rotate-online",
-    help="With --rotate: also an online rotation, applied at run time and recorded as a compressed-tensors transform: r4 (each down projection's input) or inputs (every linear layer's input, as QuIP).",
+    help="With --rotate: also an online rotation, applied at run time and recorded as a compressed-tensors transform: r4 (each down projection's input) or inputs (every linear layer's input, as QuIP), and r3 (each head's queries and keys after RoPE, what a quantized KV cache stores); repeat the option for two.",
 )

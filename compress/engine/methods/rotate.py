@@ -22,7 +22,8 @@ import torch
 from pydantic import Field, model_validator
 
 from compress.checkpoints.rotation_layouts import rotation_layout
-from compress.checkpoints.transforms import DOWN_PROJ, INPUTS, R4, input_rotation_config, transform_key, with_transforms
+from compress.checkpoints.transforms import (ATTENTION_LOCATIONS, DOWN_PROJ, INPUTS, R3, R4, input_rotation_config, r3_config,
+                                             transform_config, transform_key, with_transforms)
 from compress.engine.methods.base import CheckpointMethod, MethodConfig, Rewritten
 from compress.engine.registry import register_method
 from compress.engine.rotation import write_rotated
@@ -42,6 +43,7 @@ class RotationKind(str, enum.Enum):
 class OnlineRotation(str, enum.Enum):
     r4 = "r4"  # a Hadamard on each down projection's input, at run time (SpinQuant's R4)
     inputs = "inputs"  # a Hadamard on every linear layer's input, at run time (QuIP's V, llm-compressor's QuIPModifier)
+    r3 = "r3"  # a Hadamard on each head's queries and keys after RoPE, at run time (SpinQuant's R3): the cached keys
 
 
 class RotateConfig(MethodConfig):
@@ -58,7 +60,8 @@ class RotateConfig(MethodConfig):
         default_factory=list, description="online rotations, recorded as compressed-tensors transforms: r4 (each down "
         "projection's input; hadamard: Sylvester blocks of the largest power of two dividing the width; random-hadamard: "
         "the whole width, signs from seed + 2); inputs (every linear layer's input, each of its own width as r4's; "
-        "random-hadamard signs from seed + 3)")
+        "random-hadamard signs from seed + 3); r3 (each head's queries and keys after RoPE, so a quantized KV cache "
+        "stores rotated keys; the head size, or block; random-hadamard signs from seed + 4)")
     steps: int = Field(20, ge=1, description="learned: Cayley SGD steps (SpinQuant: 100)")
     lr: float = Field(1.5, gt=0, description="learned: the learning rate (SpinQuant's 1.5; each step is also at most 1 / ‖W‖₁)")
     momentum: float = Field(0.0, ge=0, lt=1, description="learned: Cayley SGD's momentum")
@@ -94,7 +97,7 @@ class RotateConfig(MethodConfig):
     def _something_rotated(self) -> "RotateConfig":
         if not (self.residual or self.heads or self.online):
             raise ValueError("residual, heads and online are all off, so nothing is rotated: keep one (e.g. online: [r4])")
-        if set(self.online) == {OnlineRotation.r4, OnlineRotation.inputs} or len(set(self.online)) < len(self.online):
+        if {OnlineRotation.r4, OnlineRotation.inputs} <= set(self.online) or len(set(self.online)) < len(self.online):
             raise ValueError("online inputs rotates the down projections' inputs too: give r4 or inputs, once")
         return self
 
@@ -104,6 +107,13 @@ _LEARNED = {"steps", "lr", "momentum", "windows", "train_bits", "train_group_siz
 
 def _head_dim(config: dict) -> int:
     return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+def _record(config: dict, groups: dict) -> None:
+    """``config`` with the transform schemes ``groups`` recorded beside those it records already."""
+    recorded = transform_config(config) or {"config_groups": {}}
+    config["quantization_config"] = with_transforms(config.get("quantization_config"),
+                                                    {"config_groups": {**recorded["config_groups"], **groups}})
 
 
 def _check_divides(block: int | None, width: int) -> None:
@@ -186,6 +196,8 @@ class Rotate(CheckpointMethod):
         """The online rotation ``which``: its normalized block by the weight it fuses into, its stored ±1 matrices,
         and a note; ``config`` gets the transforms recorded, one scheme per input width."""
         cfg = self.config
+        if which is OnlineRotation.r3:
+            return self._online_r3(handle, layout, config)
         if layout.down is None:
             raise CompressError(f"rotate online {which.value}: {config['model_type']}'s experts are held fused by transformers "
                                 "and vLLM, not as the Linear layers an online transform hooks: rotate without it")
@@ -206,9 +218,21 @@ class Rotate(CheckpointMethod):
             stored[transform_key(f"{handle.blocks_name}.0.{weights[0].removesuffix('.weight')}", scheme)] = h.to(torch.float32)
             fused.update({w: h / block ** 0.5 for w in weights})
             parts.append(f"{kind} of {block} over {n} channels")
-        config["quantization_config"] = with_transforms(config.get("quantization_config"), {"config_groups": transforms})
+        _record(config, transforms)
         what = "each down projection's input" if r4 else "every linear layer's input"
         return fused, stored, f"{which.value} online on {what} ({'; '.join(parts)}), recorded as transform_config"
+
+    def _online_r3(self, handle, layout, config: dict) -> tuple[dict, dict[str, torch.Tensor], str]:
+        """R3: each head's queries and keys rotated alike at run time, so nothing is fused (the scores are unchanged);
+        the matrix is stored once, under the first block's attention module."""
+        head_dim = _head_dim(config)
+        block, h, kind = self._online_block(OnlineRotation.r3, head_dim, self.config.seed + 4)
+        attention = layout.mixer.rsplit(".", 2)[0]  # the module holding the output projection: self_attn
+        target = f"re:.*{re.escape(attention)}$"
+        _record(config, r3_config(self._online_kind.value, block, target))
+        stored = {transform_key(f"{handle.blocks_name}.0.{attention}", R3, ATTENTION_LOCATIONS[0]): h.to(torch.float32)}
+        return {}, stored, f"r3 online on each head's queries and keys after RoPE ({kind} of {block} over {head_dim} " \
+                           "channels), recorded as transform_config"
 
     @property
     def _online_kind(self) -> RotationKind:
