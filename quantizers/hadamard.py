@@ -82,6 +82,9 @@ def hadamard(n: int) -> torch.Tensor:
 
 
 def random_hadamard(n: int, seed: int) -> torch.Tensor:
-    """``H_n / √n · diag(s)`` with signs ``s = ±1`` drawn from ``seed`` (QuaRot's randomized Hadamard)."""
+    """``diag(s) · H_n / √n`` with signs ``s = ±1`` drawn from ``seed`` (QuaRot's randomized Hadamard, as SpinQuant's and
+    compressed-tensors' ``random_hadamard_matrix`` build it). The signs come first: ``x · diag(s) · H`` flips input
+    channels before they are mixed, so each seed spreads them differently. Signs after the mix (``H · diag(s)``)
+    would only flip output channels, which no symmetric grid sees."""
     signs = torch.randint(0, 2, (n,), generator=torch.Generator().manual_seed(seed), dtype=torch.int64) * 2 - 1
-    return hadamard(n) * signs.to(torch.float64)[None, :]
+    return signs.to(torch.float64)[:, None] * hadamard(n)

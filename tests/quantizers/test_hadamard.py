@@ -24,12 +24,25 @@ def test_every_order_is_a_hadamard_matrix(n):
     assert torch.allclose(h @ h.T, n * torch.eye(n, dtype=torch.float64), atol=1e-9)
 
 
-def test_random_hadamard_is_orthogonal_seeded_and_signed_by_column():
+def test_random_hadamard_is_orthogonal_seeded_and_signed_by_row():
     a, b, c = random_hadamard(576, 0), random_hadamard(576, 0), random_hadamard(576, 1)
     assert torch.equal(a, b) and not torch.equal(a, c)
     assert torch.allclose(a @ a.T, torch.eye(576, dtype=torch.float64), atol=1e-12)
-    signs = a[0] / hadamard(576)[0]
-    assert torch.equal(a, hadamard(576) * signs) and set(signs.tolist()) == {1.0, -1.0}
+    signs = a[:, 0] / hadamard(576)[:, 0]
+    assert torch.equal(a, signs[:, None] * hadamard(576)) and set(signs.tolist()) == {1.0, -1.0}
+
+
+def test_random_hadamard_signs_the_inputs_as_compressed_tensors_does():
+    """compressed-tensors' (SpinQuant's) ``random_hadamard_matrix`` is ``diag(s) · H``: times ``Hᵀ`` it is diagonal,
+    as ours is. So seeds change the magnitudes a symmetric grid sees (the signs of a column after the mix would not)."""
+    ct = pytest.importorskip("compressed_tensors.transform.utils.hadamard")
+    theirs = ct.random_hadamard_matrix(64, torch.float64, gen=torch.Generator().manual_seed(0))
+    ours = random_hadamard(64, 0)
+    for m in (theirs, ours):
+        d = m @ hadamard(64).T
+        assert torch.allclose(d, torch.diag(torch.diagonal(d)), atol=1e-12)
+    x = torch.randn(8, 64, dtype=torch.float64)
+    assert not torch.allclose((x @ random_hadamard(64, 0)).abs(), (x @ random_hadamard(64, 1)).abs())
 
 
 def test_orders_without_a_construction_are_refused():
