@@ -180,4 +180,18 @@ def evaluate_vllm_checkpoint(model_path: Path, text_path: Path, ctx: int = 512, 
     """`compress eval ppl --backend vllm`: ``model_path``'s perplexity on ``text_path`` scored by vLLM."""
     settings = settings or VllmSettings()
     settings.kv_cache_dtype = kv_cache_dtype_for(model_path, kv_cache)
-    return evaluate_vllm(model_path, checkpoint_tokens(model_path, text_path, max_tokens), ctx, stride, settings, str(model_path))
+    try:
+        return evaluate_vllm(model_path, checkpoint_tokens(model_path, text_path, max_tokens), ctx, stride, settings,
+                             str(model_path))
+    except VllmRefused as exc:
+        if _records_transforms(model_path) and ("hadamard" in exc.reason.lower() or "hadacore" in exc.reason.lower()):
+            raise VllmRefused(str(model_path), f"{exc.reason}: this vLLM cannot apply the checkpoint's online rotations "
+                              "(transform_config; the CPU build has no Hadamard transform kernel): score it with "
+                              "--backend ours, or with a CUDA build of vLLM") from None
+        raise
+
+
+def _records_transforms(model_path: Path) -> bool:
+    from compress.checkpoints.transforms import transform_config
+
+    return transform_config(json.loads((Path(model_path) / "config.json").read_text())) is not None

@@ -78,3 +78,22 @@ def test_vllm_cpu_fp8_cache_stores_our_toward_zero_rounding(vllm_python):
     one = torch.tensor([1.0])
     torch.testing.assert_close(quantize_kv(values, KVCacheFormat.fp8, one, FP8Rounding.toward_zero), stored, rtol=0, atol=0)
     assert (quantize_kv(values, KVCacheFormat.fp8, one) != stored).float().mean() > 0.3
+
+
+def test_vllm_cpu_refuses_online_rotations_in_one_line(vllm_python, tmp_path):
+    """vLLM's CPU build reads the transform_config of a rotated checkpoint but has no Hadamard kernel to apply it
+    (vLLM 0.32: ``HadamardTransform`` has no ``cpu_linear``): one line naming our evaluator as the way to score it."""
+    from typer.testing import CliRunner
+
+    from compress.cli.app import app
+    from compress.run.recipe import parse_recipe
+    from compress.run.runner import run_recipe
+    from conftest import REFERENCE_MODEL
+
+    stages = [{"method": "rotate", "kind": "random-hadamard", "online": ["r4"]}]
+    rotated = run_recipe(parse_recipe({"model": REFERENCE_MODEL, "stages": stages, "output": {"path": tmp_path / "r4"}})).output
+    result = CliRunner().invoke(app, ["eval", "ppl", str(rotated), "--text", str(EVAL_TEXT), "--ctx", "256", "--max-tokens",
+                                      "512", "--backend", "vllm", "--vllm-python", str(vllm_python)])
+    assert result.exit_code == 2, result.output
+    line = result.output.strip().splitlines()[-1]
+    assert line.startswith("error: vLLM could not run") and "score it with --backend ours" in line
