@@ -103,8 +103,8 @@ def _sample_gradients(forward, leaves: dict[str, torch.Tensor], samples: list, c
     """The float64 sums, over ``samples`` (``(input, target)`` pairs, each run through ``forward`` on its own), of the
     mini-batch loss's gradient with respect to each of ``leaves`` and of the loss itself (key `_LOSS`); ``count``: the
     mini-batch's samples on every process, each sample's error weighing 1/count of the mean."""
-    sums = {n: torch.zeros(leaf.shape, dtype=torch.float64) for n, leaf in leaves.items()}
-    sums[_LOSS] = torch.zeros((), dtype=torch.float64)
+    sums = {n: torch.zeros(leaf.shape, dtype=torch.float64, device=leaf.device) for n, leaf in leaves.items()}
+    sums[_LOSS] = torch.zeros((), dtype=torch.float64, device=next(iter(leaves.values())).device)
     for x, target in samples:
         dtype = torch.promote_types(target.dtype, torch.float32)  # the error in float32 at least
         error = (forward(leaves, x).to(dtype) - target.to(dtype)).square().mean() / count

@@ -148,3 +148,17 @@ def test_the_online_rotation_kernel_on_the_gpu(n, b):
     for dtype, tolerance in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -8)):
         got = rotate_input(x.to(dtype).cuda(), h.cuda()).cpu()
         assert torch.allclose(got.float(), online_rotation(x.to(dtype), h).float(), rtol=tolerance, atol=tolerance)
+
+
+def test_autoround_on_cuda_takes_the_cpu_steps():
+    """The signed-gradient steps on a CUDA layer (float64 gradient sums kept on the layer's device) land on the CPU's
+    codes: SignSGD moves by the sign, which float32 rounding on another device rarely flips."""
+    from compress.quantizers.autoround import AutoRoundConfig, autoround_linear
+    from compress.quantizers.grid import QuantScheme
+
+    g = torch.Generator().manual_seed(0)
+    w, xs = torch.randn(32, 128, generator=g) * 0.05, [torch.randn(16, 128, generator=g) for _ in range(8)]
+    config, grid = AutoRoundConfig(iters=10, batch_size=4), QuantScheme(4, True, 64)
+    cpu = autoround_linear(w, xs, config, grid).layers["weight"]
+    gpu = autoround_linear(w.cuda(), [x.cuda() for x in xs], config, grid).layers["weight"]
+    assert (gpu.codes.cpu() != cpu.codes).float().mean() < 0.01
