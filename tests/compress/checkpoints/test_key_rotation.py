@@ -124,3 +124,21 @@ def test_r3_composes_with_either_input_rotation_and_with_the_fused_ones(tmp_path
         assert "R3" in groups and len(groups) >= 2
     with pytest.raises(CompressError, match="give r4 or inputs, once"):
         _rotate(model, tmp_path / "all", online=["r3", "r4", "inputs"])
+
+
+def test_a_moe_model_takes_r3(tmp_path, tiny_tokenizer):
+    """R3 touches no expert: Mixtral's attention keeps its rotation for the cache, and the float function is kept."""
+    from architectures import save_architecture
+    from transformers import AutoModelForCausalLM
+
+    from compress.checkpoints.loading import load_model
+    from compress.checkpoints.transforms import KEYS_ATTR
+
+    model = save_architecture("mixtral", tmp_path / "mixtral", tiny_tokenizer)
+    out = _rotate(model, tmp_path / "r3", residual=False, heads=False, online=["r3"])
+    ids = torch.randint(0, 200, (1, 16), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        ours = load_model(out, torch.device("cpu"), torch.float32).eval()
+        assert all(getattr(b.self_attn, KEYS_ATTR, None) is not None for b in ours.model.layers)
+        original = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)(ids).logits
+        assert torch.allclose(ours(ids).logits, original, atol=1e-5)
