@@ -153,7 +153,7 @@ class Rotate(CheckpointMethod):
             online, extra = {**online, **fused}, {**extra, **stored}
             notes.append(note)
         if cfg.kind is RotationKind.learned:
-            q, r, note = self._learn(handle, layout, config, q, r, online, calibration, batch_size, progress)
+            q, r, note = self._learn(handle, layout, config, q, r, online, calibration, progress)
             notes.append(note)
         untied = write_rotated(handle, layout, q, r, directory, online=online, extra=extra)
         fused = ([f"the residual stream ({hidden} wide)"] if q is not None else []) + (
@@ -171,7 +171,7 @@ class Rotate(CheckpointMethod):
         record = super().record()
         return record if self.config.kind is RotationKind.learned else {k: v for k, v in record.items() if k not in _LEARNED}
 
-    def _learn(self, handle, layout, config, q, r, online, calibration, batch_size, progress):
+    def _learn(self, handle, layout, config, q, r, online, calibration, progress):
         """R1 and one R2 per block trained from ``q`` and ``r`` (`compress.engine.rotation_learning`), and a note."""
         cfg = self.config
         if calibration is None:
@@ -183,7 +183,9 @@ class Rotate(CheckpointMethod):
         blocks = config["num_hidden_layers"]
         r = None if r is None else r.expand(blocks, *r.shape).clone()
         weights = None if cfg.train_bits is None else QuantScheme(cfg.train_bits, True, cfg.train_group_size)
-        training = Training(cfg.steps, cfg.lr, cfg.momentum, cfg.windows, batch_size, weights,
+        # one window per forward pass: the whole model's activations are kept for the backward pass (SmolLM2 at 512
+        # tokens: about 2.5 GB a window), where the engine's batch_size sizes one block's
+        training = Training(cfg.steps, cfg.lr, cfg.momentum, cfg.windows, 1, weights,
                             None if cfg.train_activations is None else cfg.train_activations.scheme())
         learned = learn_rotations(handle, layout, q, r, online, calibration, training, progress=progress)
         handle.release(handle.model)  # the whole model the training loaded
