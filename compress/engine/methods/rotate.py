@@ -43,7 +43,7 @@ class RotationKind(str, enum.Enum):
 class OnlineRotation(str, enum.Enum):
     r4 = "r4"  # a Hadamard on each down projection's input, at run time (SpinQuant's R4)
     inputs = "inputs"  # a Hadamard on every linear layer's input, at run time (QuIP's V, llm-compressor's QuIPModifier)
-    r3 = "r3"  # a Hadamard on each head's queries and keys after RoPE, at run time (SpinQuant's R3): the cached keys
+    r3 = "r3"  # a Hadamard on each head's queries and keys after RoPE, at run time (SpinQuant's R3), for a quantized KV cache
 
 
 class RotateConfig(MethodConfig):
@@ -233,8 +233,8 @@ class Rotate(CheckpointMethod):
         target = f"re:.*{re.escape(attention)}$"
         _record(config, r3_config(self._online_kind.value, block, target))
         stored = {transform_key(f"{handle.blocks_name}.0.{attention}", R3, ATTENTION_LOCATIONS[0]): h.to(torch.float32)}
-        return {}, stored, f"r3 online on each head's queries and keys after RoPE ({kind} of {block} over {head_dim} " \
-                           "channels), recorded as transform_config"
+        note = f"r3 online on each head's queries and keys after RoPE ({kind} of {block} over {head_dim} channels)"
+        return {}, stored, note + ", recorded as transform_config"
 
     @property
     def _online_kind(self) -> RotationKind:
