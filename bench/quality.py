@@ -27,6 +27,7 @@ from pathlib import Path
 import yaml
 
 from compress.run.recipe import parse_recipe
+from compress.engine.methods.rotate import training_grid
 from compress.engine.registry import method_class
 from compress.run.runner import run_recipe
 
@@ -71,9 +72,8 @@ def quality_row(args: argparse.Namespace, spec: str, bits: int, group: int, rota
     name, options = parse_method(spec)
     method = method_class(name)(method_class(name).Config(**options))
     rotate = [] if rotation == "none" else [rotate_stage(rotation)]
-    if rotate and rotate[0]["kind"] == "learned":  # trained on the row's inputs' grid if it has one, else its weights'
-        rotate[0].update({"train_bits": None, "train_activations": options["activations"]} if "activations" in options
-                         else {"train_bits": bits, "train_group_size": group})
+    if rotate and rotate[0]["kind"] == "learned":
+        rotate[0].update(training_grid(bits, group, options))
     data = {
         "model": args.model,
         "stages": rotate + [{"method": name, "bits": bits, "group_size": group, **options}],

@@ -154,15 +154,11 @@ def install_online_transforms(model: nn.Module, config: dict[str, Any], read: Ca
                                     "here (only input)")
             targets = [(n, m) for n, m in modules if matches(n, m, args.get("targets", []))
                        and not matches(n, m, args.get("ignore", []))]
-            stored = [t for n, _ in targets if (t := read(transform_key(n, scheme_name, location))) is not None]
-            if targets and not stored:
-                raise CompressError(f"transform_config scheme {scheme_name} has no stored matrix "
-                                    f"({transform_key(targets[0][0], scheme_name, location)}): the checkpoint is incomplete")
+            stored = _matrices(scheme_name, [n for n, _ in targets], (location,), read)
             for name, module in targets:
                 if getattr(module, ONLINE_ATTR, None) is not None:
                     continue
-                own = read(transform_key(name, scheme_name, location))
-                matrix = (own if own is not None else stored[0]).to(precision)
+                matrix = stored[name].to(precision)
                 width = getattr(module, "in_features", None)
                 size = scheme.get("head_dim") or width
                 if matrix.shape != (size, size) or (width is not None and width % size):
@@ -171,6 +167,18 @@ def install_online_transforms(model: nn.Module, config: dict[str, Any], read: Ca
                 _hook(module, matrix)
                 hooked += 1
     return hooked
+
+
+def _matrices(scheme_name: str, names: list[str], locations: tuple[str, ...],
+              read: Callable[[str], torch.Tensor | None]) -> dict[str, torch.Tensor]:
+    """Each module of ``names``' ±1 matrix of ``scheme_name``: its own, stored at one of ``locations``, else the one the
+    scheme stores once (compressed-tensors ties the others to it); a one-line error where none is stored."""
+    own = {n: next((t for w in locations if (t := read(transform_key(n, scheme_name, w))) is not None), None) for n in names}
+    shared = next((t for t in own.values() if t is not None), None)
+    if names and shared is None:
+        raise CompressError(f"transform_config scheme {scheme_name} has no stored matrix "
+                            f"({transform_key(names[0], scheme_name, locations[0])}): the checkpoint is incomplete")
+    return {n: shared if t is None else t for n, t in own.items()}
 
 
 def _keep_key_rotation(modules: list, scheme_name: str, scheme: dict, attention: list[dict], precision: torch.dtype,
@@ -184,14 +192,10 @@ def _keep_key_rotation(modules: list, scheme_name: str, scheme: dict, attention:
                             f"{' and '.join(map(str, targets))}: queries and keys of the same modules are rotated "
                             "together or the scores change; the config is corrupt")
     chosen = [(n, m) for n, m in modules if matches(n, m, targets[0]) and not matches(n, m, attention[0].get("ignore", []))]
-    stored = [t for n, _ in chosen for w in ATTENTION_LOCATIONS if (t := read(transform_key(n, scheme_name, w))) is not None]
-    if chosen and not stored:
-        raise CompressError(f"transform_config scheme {scheme_name} has no stored matrix "
-                            f"({transform_key(chosen[0][0], scheme_name, ATTENTION_LOCATIONS[0])}): the checkpoint is incomplete")
+    stored = _matrices(scheme_name, [n for n, _ in chosen], ATTENTION_LOCATIONS, read)
     size = scheme.get("head_dim")
     for name, module in chosen:
-        own = [t for w in ATTENTION_LOCATIONS if (t := read(transform_key(name, scheme_name, w))) is not None]
-        matrix = (own or stored)[0]
+        matrix = stored[name]
         head_dim = getattr(module, "head_dim", None)
         if size is None or matrix.shape != (size, size) or (head_dim is not None and head_dim % size):
             raise CompressError(f"{name}: the {scheme_name} transform is {list(matrix.shape)}, not [{size}, {size}] "

@@ -108,12 +108,10 @@ def _run_stage(args: dict[str, Any], stage: dict[str, Any]) -> None:
     if not fused and not online:
         raise CompressError("--no-rotate-fused leaves nothing to rotate: add --rotate-online inputs (or r4), or drop --no-rotate-fused")
     parts = {**({"online": online} if online else {}), **({} if fused else {"residual": False, "heads": False})}
-    if args.get("rotate") == "learned":  # trained on the inputs' grid if the stage has one (SpinQuant's W16A4 before the
-        given = parse_options(args["option"])  # weights are fitted), else on its weights' grid where the command gives it
-        group = str(stage.get("group_size", ""))
-        parts.update({"train_bits": None, "train_activations": given["activations"]} if "activations" in given else {
-            **({"train_bits": stage["bits"]} if "bits" in stage else {}),
-            **({"train_group_size": int(group)} if group.lstrip("-").isdigit() else {})})
+    if args.get("rotate") == "learned":
+        from compress.engine.methods.rotate import training_grid
+
+        parts.update(training_grid(stage.get("bits"), stage.get("group_size"), parse_options(args["option"])))
     rotation = [{"method": "rotate", "kind": args["rotate"], **parts}] if args.get("rotate") is not None else []
     data: dict[str, Any] = {
         "model": args["model"],

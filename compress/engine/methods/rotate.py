@@ -36,7 +36,7 @@ from compress.quantizers.hadamard import hadamard, random_hadamard, sylvester
 
 class RotationKind(str, enum.Enum):
     hadamard = "hadamard"  # deterministic: H / √n (Sylvester × Paley)
-    random_hadamard = "random-hadamard"  # H / √n · diag(±1), signs drawn from the seed (QuaRot)
+    random_hadamard = "random-hadamard"  # diag(±1) · H / √n, signs drawn from the seed (QuaRot)
     learned = "learned"  # random-hadamard's R1 and R2 trained against the quantized model's loss (SpinQuant)
 
 
@@ -103,6 +103,17 @@ class RotateConfig(MethodConfig):
 
 
 _LEARNED = {"steps", "lr", "momentum", "windows", "train_bits", "train_group_size", "train_activations"}
+
+
+def training_grid(bits: int | None, group_size, options: dict) -> dict:
+    """learned's training grid for the stage the rotation feeds: its input grid (``options``' ``activations``), the
+    weights in float (SpinQuant's setting before GPTQ), where the stage sets one; else its weight grid (``bits``, and
+    ``group_size`` where it is a number of columns)."""
+    if "activations" in options:
+        return {"train_bits": None, "train_activations": options["activations"]}
+    group = str(group_size if group_size is not None else "")
+    return {**({"train_bits": bits} if bits is not None else {}),
+            **({"train_group_size": int(group)} if group.lstrip("-").isdigit() else {})}
 
 
 def _head_dim(config: dict) -> int:
