@@ -16,6 +16,7 @@ import json
 import logging
 import re
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -167,6 +168,17 @@ class ModelHandle:
                 tensor = tensor.to(device=device, dtype=dtype)
             _set_parameter(module, name, tensor)
         return stored
+
+    def prefetch(self, module: nn.Module, prefix: str, only: Iterable[str] | None = None) -> None:
+        """Have the OS start reading what `materialize` of the same arguments will read (`CheckpointReader.prefetch`)."""
+        names = [n for n, _ in module.named_parameters()] if only is None else list(only)
+        keys = []
+        for name in names:
+            try:
+                keys.append(self.checkpoint_key(f"{prefix}.{name}" if prefix else name))
+            except CompressError:
+                pass  # the materialize that follows names it
+        self.reader.prefetch(keys)
 
     def load_remaining(self, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> nn.Module:
         """The whole model, every parameter still on the meta device read (tied ones tied), in eval mode on

@@ -20,6 +20,8 @@ from __future__ import annotations
 import json
 import os
 import struct
+import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -191,6 +193,25 @@ class CheckpointReader:
         check_finite(path, name, tensor)
         return tensor
 
+    def prefetch(self, names: Iterable[str]) -> threading.Thread | None:
+        """Start reading these tensors' bytes into the OS's page cache on a thread of their own, so that their `get`
+        finds them there while this thread works on: the next block's weights arrive during this block's work
+        (an RTN of 32 Llama-3-8B-shaped blocks reads 15 GB at the disk's pace). Only a hint (``posix_fadvise``'s
+        WILLNEED, which waits for the disk's queue, hence the thread): nothing is read into this process, a tensor
+        in a pickle or a name not stored is passed over. Returns the thread (None: nothing to ask for)."""
+        spans: dict[Path, list[tuple[int, int]]] = {}
+        for name in names:
+            path = self._file_of.get(name)
+            if path is not None and path.suffix == ".safetensors":
+                data_start, entry = self._entries[name]
+                begin, end = entry["data_offsets"]
+                spans.setdefault(path, []).append((data_start + begin, end - begin))
+        if not spans or not hasattr(os, "posix_fadvise"):
+            return None
+        thread = threading.Thread(target=_advise_will_need, args=(spans,), name="compress-prefetch", daemon=True)
+        thread.start()
+        return thread
+
     def shape(self, name: str) -> list[int]:
         """The tensor's shape, from the safetensors header (nothing read) or the loaded pickle."""
         path = self._file_of[name]
@@ -200,6 +221,21 @@ class CheckpointReader:
 
     def total_bytes(self) -> int:
         return sum(p.stat().st_size for p in self.files)
+
+
+def _advise_will_need(spans: dict[Path, list[tuple[int, int]]]) -> None:
+    for path, ranges in spans.items():
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # a hint: the read that follows reports a missing file
+        try:
+            for offset, length in ranges:
+                os.posix_fadvise(fd, offset, length, os.POSIX_FADV_WILLNEED)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
 
 
 _DTYPE_NAMES = {dtype: name for name, dtype in SAFETENSORS_DTYPES.items()}

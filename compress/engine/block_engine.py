@@ -388,6 +388,10 @@ class Engine:
         for i in range(first, len(blocks)):
             block, name = blocks[i], self._block_names[i]
             original = self.handle.materialize(block, name, self.device, self.dtype)
+            if i + 1 < len(blocks):  # read from the disk while this block is worked on
+                self.handle.prefetch(blocks[i + 1], self._block_names[i + 1])
+            else:
+                self.handle.prefetch(self.handle.model, "", self.handle.non_block_parameters(self.handle.model))
             wanted = i + 1 < len(blocks) or self.keep_final_hidden or self.observer is not None  # its outputs
             solved = self._one_pass(i, inputs, wanted)
             if solved is not None:  # compressed while propagating

@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
+import time
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-from compress.checkpoints.shards import SAFE_INDEX, SAFE_SINGLE, CheckpointReader, ShardedWriter
+from compress.checkpoints.shards import SAFE_INDEX, SAFE_SINGLE, CheckpointReader, ShardedWriter, write_safetensors
 from references import one_line_error
 from conftest import save_random_model, tiny_llama_config
 
@@ -116,6 +118,55 @@ def test_reader_prefers_safetensors_over_bin(single_dir, tmp_path):
     reader = CheckpointReader(tmp_path / "both")
     assert "other" not in reader
     assert [p.name for p in reader.files] == [SAFE_SINGLE]
+
+
+def _resident_pages(path: Path) -> tuple[int, int]:
+    """(pages of ``path`` in the OS's page cache, pages in all), by mincore(2) on a mapping of the file."""
+    import ctypes
+    import mmap
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    size = path.stat().st_size
+    pages = -(-size // mmap.PAGESIZE)
+    with path.open("rb") as f:
+        address = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+    if address in (None, ctypes.c_void_p(-1).value):
+        pytest.skip("mmap failed")
+    try:
+        vec = (ctypes.c_ubyte * pages)()
+        if libc.mincore(address, size, vec) != 0:
+            pytest.skip(f"mincore failed (errno {ctypes.get_errno()})")
+        return sum(v & 1 for v in vec), pages
+    finally:
+        libc.munmap(address, size)
+
+
+@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="posix_fadvise")
+def test_prefetch_brings_the_named_tensors_into_the_page_cache(tmp_path):
+    """After `prefetch` the tensors' pages are in the OS's page cache (mincore says so), dropped from it first; a name
+    not stored is passed over, and the tensors read back unchanged."""
+    tensors = {"a": torch.randn(256, 1024), "b": torch.randn(512, 1024)}
+    path = tmp_path / SAFE_SINGLE
+    write_safetensors(path, tensors)
+    with path.open("rb") as f:
+        os.fsync(f.fileno())
+        os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+    resident, pages = _resident_pages(path)
+    if resident > pages // 4:
+        pytest.skip(f"this file system keeps the file in memory ({resident} of {pages} pages after DONTNEED)")
+    reader = CheckpointReader(tmp_path)
+    assert reader.prefetch(["not stored"]) is None
+    thread = reader.prefetch(["b", "a", "not stored"])
+    thread.join(timeout=30)
+    deadline = time.monotonic() + 30  # the advice starts the reads; the disk finishes them
+    while _resident_pages(path)[0] < pages - 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _resident_pages(path)[0] >= pages - 2  # every page but perhaps the header's
+    _assert_reader_matches(reader, tensors)
 
 
 def test_truncated_data_is_an_error(single_dir, tmp_path):
