@@ -8,7 +8,7 @@
 Both tools are timed alike: a fresh process from its start to its exit, what a user waits for (ours with the
 ``compress`` command's process settings). Phases (exclusive time: a phase's time excludes the phases it calls):
 ``start`` (our process until the run begins: the interpreter and the imports of torch and ours), ``load`` (opening the checkpoint, the
-tokenizer and the calibration windows), ``capture`` (block 0's inputs), ``order`` (one batch through each
+tokenizer and the calibration windows), ``read`` (a block's weights from the checkpoint), ``capture`` (block 0's inputs), ``order`` (one batch through each
 block to learn the order its layers run in), ``statistics`` (the passes that collect each group's input
 statistics; their count per block is printed: true-sequential runs one per group of layers fed by the same
 input, each stopping once its group has run), ``one pass`` (in their place where the calibration windows fit one
@@ -17,7 +17,8 @@ batch: true-sequential methods' statistics, solves and propagation in one forwar
 statistics added up, `InputStatistics.update`, mostly the Hessians' per-window Gram products), ``solve`` (the
 method's own work on the statistics),
 ``replay`` (block runs a method asks for, e.g. AWQ's scale search), ``propagation`` (the compressed block's
-outputs, the next block's inputs), ``write`` (packing and writing each block), ``evaluation`` (not part of the
+outputs, the next block's inputs), ``write`` (packing and writing each block), ``manifest`` (the output's SHA-256
+digests, its files read back), ``evaluation`` (not part of the
 compression: the KLD of the output vs the model, the same protocol for both tools). Peak RSS of each tool's
 process (the anchor's from its own resource usage, `os.wait4`); on CUDA, our peak device memory.
 
@@ -118,8 +119,12 @@ def instrument(clock: PhaseClock) -> None:
     from compress.engine.statistics import InputStatistics
     from compress.run import compression
 
+    from compress.checkpoints import model_io, output
+
     Engine = block_engine.Engine
     clock.wrap(compression, "open_model", "load")
+    clock.wrap(model_io.ModelHandle, "materialize", "read")  # a block's weights from the checkpoint
+    clock.wrap(output, "write_manifest", "manifest")  # the output's SHA-256 digests, read back
     clock.wrap(compression, "load_calibration", "load")
     clock.wrap(Engine, "capture_inputs", "capture")
     clock.wrap(Engine, "_forward_order", "order")
@@ -370,7 +375,7 @@ def main() -> None:
               f"{''.join(' ' + item for item in args.set)}, calibration {args.samples} x "
               f"{args.seq_len}, {args.threads} threads, {args.device}" + (", our fastest run's phases" if args.repeat > 1 else ""))
         print("\n| phase | seconds | share | calls |\n|---|---:|---:|---:|")
-        for phase in ("start", "load", "capture", "order", "statistics", "one pass", "sums", "solve", "replay", "propagation", "write"):
+        for phase in ("start", "load", "read", "capture", "order", "statistics", "one pass", "sums", "solve", "replay", "propagation", "write", "manifest"):
             if phases.get(phase, 0) >= 0.005:  # e.g. one pass, tried and not taken by RTN
                 print(f"| {phase} | {phases[phase]:.2f} | {100 * phases[phase] / seconds:.0f}% | {counts.get(phase, 0) or ''} |")
         rest = seconds - sum(phases.values())
