@@ -47,14 +47,17 @@ class InputStatistics:
     window rows, so its products are taken in float64, exact for float32 inputs. GPTQ's column order
     follows the Hessian's diagonal, so last-bit differences there would change many codes."""
 
-    def __init__(self, in_features: int, needs: frozenset[Stat], device: torch.device | str = "cpu"):
+    def __init__(self, in_features: int, needs: frozenset[Stat], device: torch.device | str = "cpu",
+                 scratch: GramScratch | None = None):
         self.in_features = in_features
         self.needs = needs
         self.count = 0  # token vectors seen
         zeros = lambda *shape: torch.zeros(*shape, dtype=torch.float64, device=device)  # noqa: E731
         # Σ x xᵀ, its upper triangle (and whatever lies below it in the diagonal blocks): see add_upper_gram_
         self.outer_sum = zeros(in_features, in_features) if Stat.HESSIAN in needs else None
-        self._scratch = GramScratch()  # add_upper_gram_'s buffers, reused window after window
+        # add_upper_gram_'s buffers and the float32 copy of the input, reused window after window (``scratch``: shared
+        # with the other layers' statistics of a pass, which are updated one at a time)
+        self._scratch = scratch or GramScratch()
         self.sq_sum = zeros(in_features) if Stat.INPUT_L2 in needs else None  # Σ x²
         self.absmax = torch.zeros(in_features, device=device) if Stat.INPUT_ABSMAX in needs else None
         self.abs_sum = zeros(in_features) if Stat.INPUT_ABSMEAN in needs else None  # Σ |x|
@@ -62,7 +65,7 @@ class InputStatistics:
 
     def update(self, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
         """Add the token vectors ``x``; ``reference``: the same tokens' input in the uncompressed model (INPUT_DRIFT)."""
-        x = x.detach().float()
+        x = self._scratch.float32_of(x.detach())
         if x.numel() == 0:
             return
         if self.drift_sum is not None and (reference is None or reference.shape != x.shape):
@@ -150,10 +153,26 @@ def _upper_blocks(first: int, width: int) -> Iterator[tuple[slice, slice]]:
 class GramScratch:
     """Buffers `add_upper_gram_` reuses from call to call: each block's float32 product and, for a float64 total,
     its float64 copy (a mixed-dtype ``add_`` runs at half the speed of a copy and a same-dtype add, and fresh
-    blocks of hundreds of MB per window cost their page faults again each time)."""
+    blocks of hundreds of MB per window cost their page faults again each time); and `float32_of`'s copy of a
+    half-precision input."""
 
     def __init__(self):
         self._flat: dict[torch.dtype, torch.Tensor] = {}
+        self._input: torch.Tensor | None = None
+
+    def float32_of(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as float32: itself if it is, else its values in a buffer kept for the next call (valid until then). A
+        fresh copy of a chunk of windows is a new mapping of tens of MB, page-faulted in at every input of every
+        layer (SmolLM2's MLP down projection, bf16, 8 windows of 512: 25 MB); a non-contiguous ``x`` gets ``.float()``
+        (its strides kept, as the products' operands)."""
+        if x.dtype == torch.float32:
+            return x
+        if not x.is_contiguous():
+            return x.float()
+        buffer = self._input
+        if buffer is None or buffer.numel() < x.numel() or buffer.device != x.device:
+            buffer = self._input = torch.empty(x.numel(), dtype=torch.float32, device=x.device)
+        return buffer[: x.numel()].view(x.shape).copy_(x)
 
     def take(self, shape: tuple[int, int], like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         count = shape[0] * shape[1]
@@ -254,6 +273,7 @@ class StatsCollector(AbstractContextManager):
         self._reference = reference if Stat.INPUT_DRIFT in needs else None
         self.stats: dict[str, InputStatistics] = {}
         self._shared: dict[str, _SharedInput] = {}
+        self._scratch = GramScratch()  # one for every layer's statistics: the hooks feed them one at a time
         for names in same_input:
             names = [n for n in names if n in layers]
             if len(names) > 1:
@@ -267,7 +287,7 @@ class StatsCollector(AbstractContextManager):
         self._handles: list = []
 
     def _new(self, module: nn.Module) -> InputStatistics:
-        return InputStatistics(layer_in_features(module), self.needs, module.weight.device)
+        return InputStatistics(layer_in_features(module), self.needs, module.weight.device, self._scratch)
 
     def feed(self, name: str, x: torch.Tensor) -> None:
         """Add ``x``, an input of layer ``name`` (what each forward pre-hook does)."""
@@ -316,6 +336,7 @@ class StatsCollector(AbstractContextManager):
                 done[id(stats)] = stats.result()
                 stats.release()
             out[name] = done[id(stats)]
+        self._scratch = GramScratch()  # its buffers too: nothing is added after
         return out
 
 

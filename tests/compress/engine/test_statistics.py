@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers.pytorch_utils import Conv1D
 
-from compress.engine.statistics import InputStatistics, InputsDiverged, Stat, StatsCollector, layer_in_features
+from compress.engine.statistics import GramScratch, InputStatistics, InputsDiverged, Stat, StatsCollector, layer_in_features
 
 ALL = frozenset(Stat) - {Stat.INPUT_DRIFT}  # the statistics of the input alone; INPUT_DRIFT's tests are below
 
@@ -152,6 +152,39 @@ def test_half_precision_inputs_accumulate_in_float32(dtype):
     st = InputStatistics(8, ALL)
     st.update(x)
     assert_matches(st.result(), reference_stats([x.float()], 8), ALL)
+
+
+def test_half_precision_inputs_through_one_scratch_change_no_bit():
+    """Two layers' statistics sharing a scratch (`StatsCollector`'s), fed bfloat16 inputs of several sizes in turn
+    (its float32 copy reused, grown, then read in part) and a non-contiguous one, sum exactly what each layer's own
+    statistics sum from ``.float()`` copies of the same inputs."""
+    wide = [_data(s, seed=i, dtype=torch.bfloat16) for i, s in enumerate([(2, 16, 24), (3, 16, 24), (1, 16, 24)])]
+    narrow = [_data(s, seed=9 + i, dtype=torch.bfloat16) for i, s in enumerate([(4, 16, 8), (2, 8, 8)])]
+    narrow.append(_data((2, 8, 16), seed=20, dtype=torch.bfloat16).transpose(1, 2))  # [2, 16, 8], not contiguous
+    scratch = GramScratch()
+    shared = InputStatistics(24, ALL, scratch=scratch), InputStatistics(8, ALL, scratch=scratch)
+    own = InputStatistics(24, ALL), InputStatistics(8, ALL)
+    for a, b in itertools.zip_longest(wide, narrow):
+        for x, st, ref in ((a, shared[0], own[0]), (b, shared[1], own[1])):
+            if x is not None:
+                st.update(x)
+                ref.update(x.float())
+    for st, ref, xs, width in zip(shared, own, (wide, narrow), (24, 8)):
+        got, expected = st.result(), ref.result()
+        for k in ALL:
+            assert torch.equal(got[k], expected[k]), k
+        assert_matches(got, reference_stats([x.float() for x in xs], width), ALL)
+
+
+def test_scratch_copies_half_precision_into_one_buffer():
+    scratch = GramScratch()
+    x = torch.randn(3, 5, 7).bfloat16()
+    first = scratch.float32_of(x)
+    assert first.dtype == torch.float32 and torch.equal(first, x.float())
+    second = scratch.float32_of(x[:2])
+    assert second.data_ptr() == first.data_ptr() and torch.equal(second, x[:2].float())
+    y = torch.randn(4, 4)
+    assert scratch.float32_of(y) is y  # float32 as it is
 
 
 def test_no_data_gives_zeros():
