@@ -108,6 +108,7 @@ def test_rtn_in_row_slices_matches_reference(sym, monkeypatch):
     reference's grid and codes and the whole weight's error figure."""
     from compress.quantizers import rtn as rtn_module
 
+    monkeypatch.setenv("COMPRESS_NATIVE", "0")  # the torch loop, which slices (the compiled one runs whole)
     monkeypatch.setattr(rtn_module, "SLICE_ELEMENTS", 2 * 128)
     w = random_weight((7, 128), seed=77) * 0.05
     res = rtn(w, QuantScheme(bits=3, symmetric=sym, group_size=32))
@@ -131,6 +132,7 @@ def test_rtn_in_row_slices_keeps_per_tensor_scales_and_per_group_clipping(monkey
     from compress.quantizers import rtn as rtn_module
     from compress.quantizers.float_grid import FloatGrid, FloatScheme
 
+    monkeypatch.setenv("COMPRESS_NATIVE", "0")  # the torch loop, which slices
     monkeypatch.setattr(rtn_module, "SLICE_ELEMENTS", 3 * 64)
     w = random_weight((8, 64), seed=78) * 0.05
     w[6, 3] = 0.8  # the largest weight, in the last slice: the global scale must see it
@@ -152,3 +154,43 @@ def test_rtn_of_a_weight_without_rows():
     res = rtn(torch.zeros(0, 64), QuantScheme(bits=4, group_size=32))
     assert res.weight.shape == res.codes.shape == (0, 64) and res.scale.shape == (0, 2)
     assert res.stats["weight_rel_error"] == 0.0
+
+
+COMPILED_CASES = [(4, True, 64, False), (3, True, 32, True), (2, True, -1, True), (8, True, 64, False), (4, False, 64, False),
+                  (2, False, 32, False), (5, False, -1, False)]
+
+
+@pytest.mark.parametrize("bits, sym, gs, full_range", COMPILED_CASES,
+                         ids=[f"b{b}-{'sym' if s else 'asym'}-g{g}{'-full' if f else ''}" for b, s, g, f in COMPILED_CASES])
+def test_the_compiled_loop_gives_the_torch_loops_bits(bits, sym, gs, full_range, monkeypatch):
+    """The compiled RTN (csrc/rtn.c, on the CPU's threads) against the torch loop: the same scale, zero, codes and values
+    bit for bit, with a per-group shrink too; weights on exact half steps (ties, rounded to even by both), an all-zero
+    group and a row of one value; the error figure as float64 sums give it."""
+    from compress.quantizers import native
+
+    if native.compiled(__import__("compress.quantizers.rtn", fromlist=["SOURCE"]).SOURCE, ()) is None:
+        pytest.skip("no C compiler: the torch loop runs everywhere")
+    torch.manual_seed(bits)
+    w = torch.randn(300, 256) * 0.05
+    w[3, :64] = 0.0
+    w[4] = 0.25
+    w[5, :64] = torch.arange(64) / 4 - 8  # multiples of 1/4: half steps of many grids
+    w = w.to(torch.bfloat16).float()  # short mantissas: more exact ties
+    scheme = QuantScheme(bits, sym, gs, full_range)
+    groups = 1 if gs == -1 else 256 // gs
+    for shrink in (1.0, torch.linspace(0.7, 1.0, 300 * groups).reshape(300, groups)):
+        torch.set_num_threads(2)
+        try:
+            ours = rtn(w, scheme, shrink)
+        finally:
+            torch.set_num_threads(1)
+        monkeypatch.setenv("COMPRESS_NATIVE", "0")
+        theirs = rtn(w, scheme, shrink)
+        monkeypatch.delenv("COMPRESS_NATIVE")
+        for field in ("weight", "codes", "scale", "zero"):
+            a, b = getattr(ours, field), getattr(theirs, field)
+            assert a.dtype == b.dtype and torch.equal(a, b), field
+        w64 = w.double()
+        exact = float((w64 - ours.weight.double()).norm() / w64.norm())
+        assert ours.stats["weight_rel_error"] == pytest.approx(exact, rel=1e-9)  # summed in float64
+        assert theirs.stats["weight_rel_error"] == pytest.approx(exact, rel=1e-4)  # torch's float32 norms
