@@ -3,7 +3,7 @@
     python bench/pipeline.py [--model DIR] [--blocks 8] [--method gptq|rtn|awq|w8a8] [--bits 4 --group-size 64]
                              [--calib FILE --samples 32 --seq-len 512] [--text FILE --max-tokens 4096]
                              [--threads 2] [--device cpu|cuda] [--compute-dtype auto] [--anchor llm-compressor] [--repeat 1]
-                             [--set KEY=VALUE ...]
+                             [--set KEY=VALUE ...] [--random llama3-8b] [--disk] [--no-score]
 
 Both tools are timed alike: a fresh process from its start to its exit, what a user waits for (ours with the
 ``compress`` command's process settings). Phases (exclusive time: a phase's time excludes the phases it calls):
@@ -31,7 +31,10 @@ compresses a copy of the model truncated to its first N blocks (what the figures
 8 key-value heads of 128, MLP 14336, vocabulary 128,256, bf16, ``--blocks`` of them, 4 by default), with the reference
 model's tokenizer: the blocks' work at the size users run, where the fixed costs (imports, the outer tensors) no
 longer dominate. It is written once under ``~/.cache/llm-compress`` (3.8 GB for 4 blocks) and reused.
-Every written page is flushed to the disk before each tool's timed run (`quiet_disk`). llm-compressor loads the model
+Every written page is flushed to the disk before each tool's timed run (`quiet_disk`). ``--disk`` evicts the
+checkpoint's pages before each run, so each reads it from the disk, and measures the disk with ``dd`` on the same files
+and as many bytes as our output, printing the share of its sequential bandwidth our fastest run used (`bench/disk.py`);
+``--no-score`` skips the KLD. llm-compressor loads the model
 in its checkpoint's dtype (``dtype="auto"``), as its users do; ours computes in ``--compute-dtype`` (auto: the
 checkpoint's where this CPU multiplies it natively).
 """
@@ -50,6 +53,8 @@ import tempfile
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
+
+import disk
 
 REPO = Path(__file__).resolve().parents[1]
 CACHE = Path.home() / ".cache" / "llm-compress"
@@ -342,6 +347,10 @@ def main() -> None:
                     help="runs of each tool, alternating: the walls' medians, the phases of our fastest run, each run's ratio")
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                     help="another setting of (the last stage of) our method, e.g. true_sequential=false")
+    ap.add_argument("--no-score", action="store_true", help="skip the KLD (an 8B-shaped model and its output do not fit in memory together)")
+    ap.add_argument("--disk", action="store_true",
+                    help="read the checkpoint from the disk in each run (its pages evicted first), then measure the disk with dd "
+                         "on the same files and bytes, and print the share of its bandwidth our fastest run used (bench/disk.py)")
     ap.add_argument("--child", help=argparse.SUPPRESS)  # `ours` in its fresh process
     args = ap.parse_args()
     if args.child:
@@ -354,13 +363,18 @@ def main() -> None:
         model = random_checkpoint(args.random, args.blocks or 4) if args.random else truncated(args.model, args.blocks, scratch)
         walls: dict[str, list[float]] = {"ours": [], "anchor": []}
         fastest, rss = None, {"ours": 0.0, "anchor": 0.0}
+        weights = sorted(model.glob("*.safetensors"))
         for run in range(args.repeat):  # alternating, ours first; each output replaces the previous run's
+            if args.disk:
+                disk.evict(weights)
             seconds, child = ours(args, model, fresh(scratch / "ours"))
             walls["ours"].append(seconds)
             rss["ours"] = max(rss["ours"], child["rss_gb"])
             if fastest is None or seconds < fastest[0]:
                 fastest = (seconds, child)
             if args.anchor:
+                if args.disk:
+                    disk.evict(weights)
                 wall, peak = anchor(args, model, fresh(scratch / "anchor"), scratch)
                 walls["anchor"].append(wall)
                 rss["anchor"] = max(rss["anchor"], peak)
@@ -381,6 +395,17 @@ def main() -> None:
         rest = seconds - sum(phases.values())
         print(f"| other | {rest:.2f} | {100 * rest / seconds:.0f}% | |\n| **total** | **{seconds:.2f}** | | |")
         print(f"\npeak RSS {child['rss_gb']:.2f} GB" + (f", peak device memory {child['device_gb']:.2f} GB" if child["device_gb"] else ""))
+        if args.disk:
+            read, written = disk.size_of(weights), disk.size_of(disk.files_of(scratch / "ours"))
+            measured = disk.measure(weights, written, scratch)
+            print(f"\n{measured.line()}\nours: read {read / 1e9:.2f} GB, wrote {written / 1e9:.2f} GB in {seconds:.1f} s; the disk "
+                  f"alone takes {measured.seconds_for(read, written):.1f} s for those bytes: "
+                  f"**{100 * measured.share(read, written, seconds):.0f} % of its sequential bandwidth**")
+        if args.no_score:
+            print("\n| tool | wall s | peak RSS GB |\n|---|---:|---:|")
+            for name, key in [("ours", "ours")] + ([("llm-compressor 0.14", "anchor")] if args.anchor else []):
+                print(f"| {name} | {statistics.median(walls[key]):.1f} | {rss[key]:.2f} |")
+            return
         rows = [("ours", "ours")] + ([("llm-compressor 0.14", "anchor")] if args.anchor else [])
         ours_median = statistics.median(walls["ours"])
         print(f"\n| tool | wall s{' (median of ' + str(args.repeat) + ')' if args.repeat > 1 else ''} | x ours | peak RSS GB | KLD | ppl |"
