@@ -466,3 +466,15 @@ def test_a_record_naming_a_missing_shard_is_one_line(tmp_path):
     (tmp_path / "shard-00000.tmp").unlink()
     message = one_line_error(ShardedWriter(tmp_path, 100).restore, state)
     assert "shard-00000.tmp" in message and "remove it" in message
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs /dev/full")
+def test_a_failed_write_on_the_writing_thread_is_raised_by_the_writer(tmp_path, monkeypatch):
+    """The writes run on a thread of their own: a full disk (/dev/full: every write fails with ENOSPC) is raised from a
+    later call of the writer itself, not lost on that thread."""
+    writer = ShardedWriter(tmp_path, max_shard_bytes=1 << 20)
+    monkeypatch.setattr(ShardedWriter, "_shard_path", lambda self: Path("/dev/full"))
+    writer.add("a", torch.randn(64, 64))
+    with pytest.raises(OSError) as failed:
+        writer.close()
+    assert failed.value.errno == 28  # ENOSPC
