@@ -6,15 +6,14 @@ import ctypes
 import sys
 from dataclasses import dataclass
 
-M_MMAP_THRESHOLD, M_MMAP_MAX, M_TRIM_THRESHOLD, M_ARENA_MAX = -3, -4, -1, -8  # mallopt's parameters (malloc.h)
+M_MMAP_THRESHOLD, M_TRIM_THRESHOLD, M_ARENA_MAX = -3, -1, -8  # mallopt's parameters (malloc.h)
 
 
 @dataclass(frozen=True)
 class AllocatorPolicy:
     """glibc's malloc settings for the process: allocations of ``mmap_threshold`` bytes or more get their own
     mapping, returned to the OS when freed; ``trim_threshold`` (None: glibc's) is how much free memory the heap's
-    top may keep instead of returning it; ``arenas`` (None: glibc's, 8 per core) caps the heaps threads allocate from;
-    ``mmap_max`` (None: glibc's) caps the mappings of their own, 0 serving every allocation from the heap.
+    top may keep instead of returning it; ``arenas`` (None: glibc's, 8 per core) caps the heaps threads allocate from.
     ``window_chunks``: the heap serves the one pass's chunks of windows, so the run should ask the engine for them
     (`compress.engine.block_engine.Engine`)."""
 
@@ -22,7 +21,6 @@ class AllocatorPolicy:
     trim_threshold: int | None = None
     arenas: int | None = None
     window_chunks: bool = False
-    mmap_max: int | None = None
 
 
 # Long-lived block-sized tensors (quantize, prune, eval, ...): glibc raises its mmap threshold (up to 32 MB) after
@@ -51,14 +49,6 @@ CALIBRATING = AllocatorPolicy(mmap_threshold=16 << 20, arenas=1, window_chunks=T
 # 9.6 M page faults, 22.6 s of system time of 115 CPU seconds; under this (chunks of 5 windows) 1.2 M and 3.8 s, the
 # same file, peak RSS 1.39 -> 2.11 GB (the chunks' paused forwards, and the heap keeping what they freed).
 CALIBRATED_EXPORT = AllocatorPolicy(mmap_threshold=16 << 20, trim_threshold=64 << 20, arenas=1, window_chunks=True)
-# Data-free compression (`recipe_policy`: RTN, magnitude pruning, no stage collecting statistics): each layer is
-# widened, rounded, dequantized and narrowed in a few passes whose temporaries are as large as the layer (235 MB of
-# float32 for an 8B model's MLP), beyond any mmap threshold glibc allows (32 MB). Each was a fresh mapping whose
-# pages the kernel zeroes on first touch: RTN w4 g64 of 4 Llama-3-8B-shaped bf16 blocks, one thread, spent 34 s of
-# system time (11 M page faults, half of all cycles in the kernel's page clearing) beside 17 s of user time. From the
-# heap, kept whole between layers, each layer reuses the last one's pages: 1.0 M faults (the checkpoint's reads),
-# 17 s system, the run 40 -> 22 s; peak RSS 3.1 -> 4.2 GB there, 0.68 -> 0.91 GB on the float32 SmolLM2.
-REUSING = AllocatorPolicy(mmap_threshold=32 << 20, trim_threshold=1 << 40, arenas=1, mmap_max=0)
 COMMAND_ALLOCATOR = {"export": STREAMING, "measure": STREAMING}
 
 
@@ -72,15 +62,12 @@ def allocator_policy(command: str | None) -> AllocatorPolicy:
 def recipe_policy(recipe) -> AllocatorPolicy | None:
     """The policy a recipe's run switches to once the command has read it (None: it keeps the command's): export's
     for a recipe with an ``export:`` section (its GGUF encoding is the hot loop, for the whole run), `CALIBRATING` for one whose methods collect statistics on calibration data (GPTQ, SparseGPT, ...
-    in the one pass; AWQ, whose passes run batch by batch, in batches of the one pass's chunk size: `Engine.pass_batch`),
-    `REUSING` for one whose methods need no statistics (RTN, magnitude pruning: layer-sized temporaries, layer after layer)."""
+    in the one pass; AWQ, whose passes run batch by batch, in batches of the one pass's chunk size: `Engine.pass_batch`)."""
     if recipe.export is not None:
         return STREAMING
-    if recipe.distill is not None:
-        return None
-    if not any(stage.build().needs for stage in recipe.stages):
-        return REUSING
-    return CALIBRATING if recipe.calibration is not None else None
+    if recipe.calibration is not None and recipe.distill is None and any(stage.build().needs for stage in recipe.stages):
+        return CALIBRATING
+    return None
 
 
 def set_allocator(policy: AllocatorPolicy) -> None:
@@ -95,7 +82,5 @@ def set_allocator(policy: AllocatorPolicy) -> None:
             libc.mallopt(M_TRIM_THRESHOLD, policy.trim_threshold)
         if policy.arenas is not None:
             libc.mallopt(M_ARENA_MAX, policy.arenas)
-        if policy.mmap_max is not None:
-            libc.mallopt(M_MMAP_MAX, policy.mmap_max)
     except (OSError, AttributeError):
         pass  # not glibc

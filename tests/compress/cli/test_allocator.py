@@ -16,8 +16,8 @@ from compress.cli import allocator, app
 PROBE = """
 import sys
 import numpy as np
-from compress.cli.allocator import CALIBRATING, FRUGAL, REUSING, STREAMING, set_allocator
-set_allocator({"frugal": FRUGAL, "streaming": STREAMING, "calibrating": CALIBRATING, "reusing": REUSING}[sys.argv[1]])
+from compress.cli.allocator import CALIBRATING, FRUGAL, STREAMING, set_allocator
+set_allocator({"frugal": FRUGAL, "streaming": STREAMING, "calibrating": CALIBRATING}[sys.argv[1]])
 block = np.empty(int(sys.argv[2]) << 20, dtype=np.uint8)
 address = block.__array_interface__["data"][0]
 heap = [line.split()[0].split("-") for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
@@ -45,12 +45,6 @@ def test_the_calibrating_policy_keeps_a_chunks_temporaries_on_the_heap():
     assert not from_heap("calibrating", 2 * CHUNK_BYTES >> 20)
 
 
-@pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
-def test_the_reusing_policy_serves_even_layer_sized_buffers_from_the_heap():
-    assert from_heap("reusing", 256)  # an 8B model's MLP weight in float32 is 235 MB; glibc's mmap threshold stops at 32
-    assert not from_heap("frugal", 256)
-
-
 @pytest.mark.parametrize("command, policy", [("export", "STREAMING"), ("measure", "STREAMING"), ("quantize", "FRUGAL"), ("inspect", "FRUGAL")])
 def test_each_command_runs_under_its_policy(monkeypatch, command, policy):
     applied = []
@@ -65,9 +59,9 @@ EXPORT = "export: {path: OUT.gguf, type: q6_k}\n"
 
 
 @pytest.mark.parametrize("method, extra, policy", [
-    ("rtn", "", "REUSING"),
+    ("rtn", "", "FRUGAL"),
     ("rtn", EXPORT, "STREAMING"),
-    ("rtn", CALIBRATION, "REUSING"),
+    ("rtn", CALIBRATION, "FRUGAL"),
     ("gptq", CALIBRATION, "CALIBRATING"),
     ("gptq", CALIBRATION + EXPORT, "STREAMING"),
     ("awq", CALIBRATION, "CALIBRATING"),
@@ -75,7 +69,7 @@ EXPORT = "export: {path: OUT.gguf, type: q6_k}\n"
 ], ids=["rtn", "export", "rtn-with-calibration", "gptq", "gptq-and-export", "awq", "smoothquant"])
 def test_a_recipe_runs_under_the_policy_of_its_hot_loop(monkeypatch, tmp_path, method, extra, policy):
     """Methods that collect statistics run under CALIBRATING (GPTQ's one pass, AWQ's and SmoothQuant's batches);
-    RTN (no statistics, even given calibration data) REUSING; an export, STREAMING."""
+    RTN (no statistics, even given calibration data) keeps FRUGAL; an export, STREAMING."""
     from conftest import CALIB_TEXT, REFERENCE_MODEL
 
     class Ran(Exception):
