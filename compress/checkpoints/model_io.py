@@ -58,7 +58,7 @@ def set_weight(module: nn.Module, weight: torch.Tensor) -> None:
     target = module.weight
     new = weight.t() if is_conv1d(module) else weight
     with torch.no_grad():
-        target.copy_(new.to(target.dtype))
+        target.copy_(new)  # converted to the target's dtype as .to() would, with no copy in between
 
 
 def validate_model_dir(path: Path) -> None:
