@@ -8,10 +8,10 @@ On the CPU an integer grid runs compiled (``csrc/rtn.c``, one pass over the weig
 
 from __future__ import annotations
 
-import torch
-
 import ctypes
 from pathlib import Path
+
+import torch
 
 from compress.quantizers.gptq_columns import row_split
 from compress.quantizers.native import compiled

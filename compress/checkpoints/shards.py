@@ -197,7 +197,7 @@ class CheckpointReader:
     def prefetch(self, names: Iterable[str]) -> threading.Thread | None:
         """Start reading these tensors' bytes into the OS's page cache on a thread of their own, so that their `get`
         finds them there while this thread works on: the next block's weights arrive during this block's work
-        (an RTN of 32 Llama-3-8B-shaped blocks reads 15 GB at the disk's pace). Only a hint (``posix_fadvise``'s
+        (an RTN of an 8B model reads 16 GB). Only a hint (``posix_fadvise``'s
         WILLNEED, which waits for the disk's queue, hence the thread): nothing is read into this process, a tensor
         in a pickle or a name not stored is passed over. Returns the thread (None: nothing to ask for)."""
         spans: dict[Path, list[tuple[int, int]]] = {}
@@ -317,9 +317,9 @@ class ShardedWriter:
     of their own and copying them behind the header wrote every byte of the output twice.)
 
     The file writes run in order on a thread of their own (`InOrder`), up to `WRITE_AHEAD` bytes behind `add`: the
-    caller computes the next tensors while the disk takes these (a data-free RTN of an 8B model writes 5.8 GB, at
-    this disk's pace as long as its compute). A tensor added is not to be changed afterwards. A failed write raises
-    its exception from a later `add`, `state` or `close`.
+    caller computes the next tensors while the kernel takes these (an RTN of an 8B model writes 5.8 GB). A tensor
+    added is not to be changed afterwards. A failed write raises its exception from a later `add`, `state` or
+    `close`.
     """
 
     def __init__(self, directory: Path, max_shard_bytes: int = 256 << 20):
