@@ -147,9 +147,10 @@ def divide(t: torch.Tensor, value: float) -> torch.Tensor:
 
 
 def group_extremes(w: torch.Tensor, scheme) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each (row, group)'s smallest and largest value of ``w [out, in]``, float32 ``[out, n_groups]`` (any grid)."""
-    g = _grouped(w.float(), scheme)  # any grid: only its groups() and group_width() are read
-    return g.amin(dim=-1), g.amax(dim=-1)
+    """Each (row, group)'s smallest and largest value of ``w [out, in]``, float32 ``[out, n_groups]`` (any grid). Taken
+    in ``w``'s dtype, then widened: the same values as from a float32 copy, without the copy."""
+    g = _grouped(w, scheme)  # any grid: only its groups() and group_width() are read
+    return g.amin(dim=-1).float(), g.amax(dim=-1).float()
 
 
 def compute_qparams(

@@ -26,12 +26,13 @@ def rtn(weight: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor = 1.0) 
     """Quantize ``weight [out, in]`` to ``scheme`` by rounding to nearest. Does not modify ``weight``.
 
     ``shrink`` (scalar or ``[out, n_groups]``, <= 1) narrows each group's range first: values beyond it
-    clip to the extreme codes (AWQ's searched clipping)."""
+    clip to the extreme codes (AWQ's searched clipping). ``weight`` may be float32, bfloat16 or float16: the result is
+    that of its float32 copy."""
+    library = _library(weight, scheme)
+    if library is not None:  # an integer grid: nothing to fit to the whole tensor
+        return _compiled_rtn(library, weight, scheme, shrink)
     w = weight.float()
     scheme = scheme.fit(w)
-    library = _library(w, scheme)
-    if library is not None:
-        return _compiled_rtn(library, w, scheme, shrink)
     rows = max(1, SLICE_ELEMENTS // max(w.shape[1], 1)) if scheme.rows_independent else w.shape[0]
     out: list[torch.Tensor] = []  # weight, codes, scale, zero of all rows, allocated from the first slice's
     energy = error = 0.0
@@ -56,29 +57,34 @@ def rtn(weight: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor = 1.0) 
 
 SOURCE = Path(__file__).parent / "csrc" / "rtn.c"
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-SIGNATURES = (("rtn_int", (_I64,) * 4 + (_PTR,) * 3 + (_F32,) + (_PTR,) * 4),)
+SIGNATURES = tuple((name, (_I64,) * 4 + (_PTR,) * 3 + (_F32,) + (_PTR,) * 4) for name in ("rtn_int", "rtn_int_bf16"))
+_ENTRY = {torch.float32: "rtn_int", torch.bfloat16: "rtn_int_bf16"}  # the weight's dtype read by each loop
 EXTRA_FLAGS = ("-fno-trapping-math",)  # the clamps' selects vectorize (see `compress.quantizers.clipping`)
 
 
 def _library(w: torch.Tensor, scheme: Grid):
-    """The compiled loop (``csrc/rtn.c``) where it runs: an integer grid, a CPU weight with values; else None."""
-    usable = w.device.type == "cpu" and w.dim() == 2 and w.numel() > 0 and getattr(scheme, "code_bounds", lambda: None)() is not None
+    """The compiled loop (``csrc/rtn.c``) where it runs: an integer grid, a float32 or bfloat16 CPU weight with values;
+    else None."""
+    usable = (w.device.type == "cpu" and w.dtype in _ENTRY and w.dim() == 2 and w.numel() > 0
+              and getattr(scheme, "code_bounds", lambda: None)() is not None)
     return compiled(SOURCE, SIGNATURES, EXTRA_FLAGS) if usable else None
 
 
 def _compiled_rtn(library, w: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor) -> QuantResult:
     """`rtn`'s codes and values in one compiled pass over the weight, its rows cut between torch's threads: the torch
-    loop's bits (the same grid from `scheme.qparams`, the same operations), the error figure summed in float64."""
+    loop's bits (the same grid from `scheme.qparams`, the same operations), the error figure summed in float64. A
+    bfloat16 weight is widened inside the loop (exactly: its bits are a float32's upper half)."""
     w = w.contiguous()
-    scale, zero = scheme.qparams(w, shrink)
+    scale, zero = scheme.qparams(w, shrink, extremes=scheme.extremes(w))
     scale, zero = scale.contiguous(), zero.contiguous()
     out, groups, width = w.shape[0], scale.shape[1], scheme.group_width(w.shape[1])
-    codes, values = torch.empty(w.shape, dtype=torch.int32), torch.empty_like(w)
+    codes, values = torch.empty(w.shape, dtype=torch.int32), torch.empty(w.shape, dtype=torch.float32)
     energy, error = torch.empty(out, dtype=torch.float64), torch.empty(out, dtype=torch.float64)
     pointers = [t.data_ptr() for t in (w, scale, zero)]
     results = [t.data_ptr() for t in (codes, values, energy, error)]
+    function = getattr(library, _ENTRY[w.dtype])
     with row_split(out) as split:
-        split(lambda r0, r1: library.rtn_int(r0, r1, groups, width, *pointers, float(scheme.max_code), *results))
+        split(lambda r0, r1: function(r0, r1, groups, width, *pointers, float(scheme.max_code), *results))
     total = float(energy.sum())
     rel_err = (float(error.sum()) / total) ** 0.5 if total > 0 else 0.0
     return QuantResult(values, codes, scale, zero, scheme, stats={"weight_rel_error": rel_err})

@@ -265,7 +265,7 @@ def solve_shares(ranks: Ranks, method, layers: dict[str, nn.Module], stats) -> l
         if plan[name] not in (None, ranks.rank):
             continue
         start = time.perf_counter()
-        weight = get_weight(module).detach().float()
+        weight = method.layer_weight(module)
         if plan[name] is None:
             rows = torch.arange(weight.shape[0]).tensor_split(ranks.world)[ranks.rank]
             weight = weight[int(rows[0]) : int(rows[-1]) + 1]

@@ -194,3 +194,24 @@ def test_the_compiled_loop_gives_the_torch_loops_bits(bits, sym, gs, full_range,
         exact = float((w64 - ours.weight.double()).norm() / w64.norm())
         assert ours.stats["weight_rel_error"] == pytest.approx(exact, rel=1e-9)  # summed in float64
         assert theirs.stats["weight_rel_error"] == pytest.approx(exact, rel=1e-4)  # torch's float32 norms
+
+
+@pytest.mark.parametrize("bits, sym, gs, full_range", COMPILED_CASES[:4],
+                         ids=[f"b{b}-{'sym' if s else 'asym'}-g{g}{'-full' if f else ''}" for b, s, g, f in COMPILED_CASES[:4]])
+def test_a_bfloat16_weight_gives_what_its_float32_copy_gives(bits, sym, gs, full_range):
+    """`rtn` of a bfloat16 weight (widened inside the compiled loop, with no float32 copy) equals `rtn` of its float32
+    copy bit for bit: scale, zero, codes, values and the error figure; its input is left as it was."""
+    torch.manual_seed(bits + 10)
+    w = (torch.randn(300, 256) * 0.05).to(torch.bfloat16)
+    w[7, :32] = 0
+    original = w.clone()
+    from compress.quantizers import rtn as rtn_module
+
+    if rtn_module._library(w.float(), QuantScheme(bits, sym, gs, full_range)) is not None:  # a C compiler: both compiled
+        assert rtn_module._library(w, QuantScheme(bits, sym, gs, full_range)) is not None
+    ours, theirs = rtn(w, QuantScheme(bits, sym, gs, full_range)), rtn(w.float(), QuantScheme(bits, sym, gs, full_range))
+    assert torch.equal(w.view(torch.int16), original.view(torch.int16))
+    for field in ("weight", "codes", "scale", "zero"):
+        a, b = getattr(ours, field), getattr(theirs, field)
+        assert a.dtype == b.dtype and torch.equal(a, b), field
+    assert ours.stats["weight_rel_error"] == theirs.stats["weight_rel_error"]

@@ -174,6 +174,7 @@ class RTN(InputQuantization, Method):
     """Round each weight to the nearest point of its group's grid (integer min-max, or a float grid)."""
 
     Config = GridQuantConfig
+    takes_stored_dtype = True  # `rtn` widens a bfloat16 weight in its compiled loop, or copies it to float32 itself
 
     @property
     def needs(self) -> frozenset[Stat]:
