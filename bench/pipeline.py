@@ -401,12 +401,12 @@ def main() -> None:
             print(f"\n{measured.line()}\nours: read {read / 1e9:.2f} GB, wrote {written / 1e9:.2f} GB in {seconds:.1f} s; the disk "
                   f"alone takes {measured.seconds_for(read, written):.1f} s for those bytes: "
                   f"**{100 * measured.share(read, written, seconds):.0f} % of its sequential bandwidth**")
+        rows = [("ours", "ours")] + ([("llm-compressor 0.14", "anchor")] if args.anchor else [])
         if args.no_score:
             print("\n| tool | wall s | peak RSS GB |\n|---|---:|---:|")
-            for name, key in [("ours", "ours")] + ([("llm-compressor 0.14", "anchor")] if args.anchor else []):
+            for name, key in rows:
                 print(f"| {name} | {statistics.median(walls[key]):.1f} | {rss[key]:.2f} |")
             return
-        rows = [("ours", "ours")] + ([("llm-compressor 0.14", "anchor")] if args.anchor else [])
         ours_median = statistics.median(walls["ours"])
         print(f"\n| tool | wall s{' (median of ' + str(args.repeat) + ')' if args.repeat > 1 else ''} | x ours | peak RSS GB | KLD | ppl |"
               f"\n|---|---:|---:|---:|---:|---:|")

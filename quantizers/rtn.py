@@ -65,8 +65,7 @@ EXTRA_FLAGS = ("-fno-trapping-math",)  # the clamps' selects vectorize (see `com
 def _library(w: torch.Tensor, scheme: Grid):
     """The compiled loop (``csrc/rtn.c``) where it runs: an integer grid, a float32 or bfloat16 CPU weight with values;
     else None."""
-    usable = (w.device.type == "cpu" and w.dtype in _ENTRY and w.dim() == 2 and w.numel() > 0
-              and getattr(scheme, "code_bounds", lambda: None)() is not None)
+    usable = w.device.type == "cpu" and w.dtype in _ENTRY and w.dim() == 2 and w.numel() > 0 and scheme.code_bounds() is not None
     return compiled(SOURCE, SIGNATURES, EXTRA_FLAGS) if usable else None
 
 
@@ -75,7 +74,7 @@ def _compiled_rtn(library, w: torch.Tensor, scheme: Grid, shrink: float | torch.
     loop's bits (the same grid from `scheme.qparams`, the same operations), the error figure summed in float64. A
     bfloat16 weight is widened inside the loop (exactly: its bits are a float32's upper half)."""
     w = w.contiguous()
-    scale, zero = scheme.qparams(w, shrink, extremes=scheme.extremes(w))
+    scale, zero = scheme.qparams(w, shrink)  # extremes taken in w's dtype (`grid.group_extremes`)
     scale, zero = scale.contiguous(), zero.contiguous()
     out, groups, width = w.shape[0], scale.shape[1], scheme.group_width(w.shape[1])
     codes, values = torch.empty(w.shape, dtype=torch.int32), torch.empty(w.shape, dtype=torch.float32)
