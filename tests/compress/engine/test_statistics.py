@@ -474,8 +474,9 @@ def test_symmetric_from_upper_mirrors_the_rounded_upper_triangle(width):
 @pytest.mark.parametrize("width", [1, 7, 384, 385, 1000, 1536, 2049, 14336])
 def test_upper_blocks_cover_the_upper_triangle_once(width):
     """Every entry on or above the diagonal lies in exactly one block (none counted twice, none missed), and every
-    block lies within the matrix; what falls below the diagonal is the waste of the square leaves only."""
-    from compress.engine.statistics import GRAM_LEAF, _upper_blocks
+    block lies within the matrix; what falls below the diagonal is the waste of the leaves' row panels only: half of
+    each panel's first square."""
+    from compress.engine.statistics import GRAM_PANEL, _upper_blocks
 
     counts = torch.zeros(width, width, dtype=torch.int8)  # int8: a 14336-wide count is 205 MB, not 822
     for rows, columns in _upper_blocks(0, width):
@@ -483,7 +484,7 @@ def test_upper_blocks_cover_the_upper_triangle_once(width):
         counts[rows, columns] += 1
     assert torch.equal(counts.triu(), torch.ones(width, width, dtype=torch.int8).triu())
     below = int(counts.tril(-1).sum())
-    assert below <= width * GRAM_LEAF // 2  # at most half of each leaf's square, the leaves tiling the diagonal
+    assert below <= width * GRAM_PANEL // 2  # the panels' first squares tile the diagonal
 
 
 @pytest.mark.parametrize("width", [7, 600, 1536])
