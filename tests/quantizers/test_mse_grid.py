@@ -138,3 +138,33 @@ def test_compiled_and_torch_searches_choose_alike_but_for_near_ties(monkeypatch)
         e_fast = independent_error(w, *fast, 3, 2.4)[differ.numpy()]
         e_slow = independent_error(w, *slow, 3, 2.4)[differ.numpy()]
         np.testing.assert_allclose(e_fast, e_slow, rtol=1e-5)
+
+
+@pytest.mark.parametrize("bits,sym", [(2, True), (3, False), (4, True), (4, False), (4, "full"), (8, False)])
+@pytest.mark.parametrize("grid,max_shrink", [(100, 0.8), (40, 1.0), (20, 0.8), (100, 0.17)])
+def test_compiled_search_drops_only_candidates_that_cannot_win(bits, sym, grid, max_shrink):
+    """The compiled search sums a later candidate in full only where its errors on a group's largest weights do not
+    already exceed the best sum so far: its choice is the exhaustive search's, bit for bit, on groups of every width
+    (4: no weights left to bound with), with outliers, ties (constant and all-zero groups: every candidate alike) and
+    candidate counts on either side of the 16 always summed."""
+    if compiled(clipping.SOURCE, clipping.SIGNATURES, clipping.EXTRA_FLAGS) is None:
+        pytest.skip("no C compiler builds the compiled search here")
+    shrinks = [1 - i / grid for i in range(int(max_shrink * grid))]
+    later_wins = 0  # groups whose choice is a candidate after the first 16
+    for gs, seed in ((4, 1), (8, 2), (32, 3), (64, 4), (128, 5)):
+        w = heavy_tailed((96, 256), seed=seed + bits * 10)
+        w[:, : 2 * gs] *= torch.exp(torch.randn(96, 1, generator=torch.Generator().manual_seed(seed)) * 2)  # wide rows
+        w[48:, ::gs] *= 6  # a lone outlier in each group: a clipped range pays off most
+        w[0] = 0.0
+        w[1] = 0.01
+        w[2, ::3] = -0.02
+        scheme = QuantScheme(bits=bits, symmetric=bool(sym), group_size=gs, full_range=sym == "full")
+        extremes = scheme.extremes(w)
+        fast = clipping.compiled_search(w, scheme, shrinks, 2.4, extremes)
+        slow = clipping.compiled_search(w, scheme, shrinks, 2.4, extremes, exhaustive=True)
+        assert torch.equal(fast[0], slow[0]) and torch.equal(fast[1], slow[1])
+        if len(shrinks) > 16:
+            later_wins += int((slow[0].abs() < scheme.qparams(w, shrink=shrinks[15], extremes=extremes)[0].abs()).sum())
+    if (grid, max_shrink) == (100, 0.8) and (bits <= 3 or sym is True):  # later candidates win in some groups (4-bit
+        # asymmetric and full-range grids keep shrink >= 0.9 on these weights): dropping them is tested
+        assert later_wins > 0
