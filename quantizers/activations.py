@@ -4,14 +4,16 @@ SmoothQuant (Xiao et al. 2022, arXiv:2211.10438) runs linear layers on int8 inpu
 input ``x [..., in_features]`` is quantized symmetrically, ``x ≈ s · q`` with ``q`` in
 ``[−(2**(bits−1) − 1), 2**(bits−1) − 1]`` (the restricted range int8 GEMMs use):
 
-- per token, dynamic: one scale per token vector, ``s = max_j |x_j| / qmax``, computed at run time;
+- per token, dynamic: one scale per token vector, computed at run time as each width's consumer computes it:
+  int8 as vLLM's dynamic int8 kernels, ``s = max_j |x_j| / 127`` with codes ``±127``; narrower ints (int4: W4A4),
+  which no vLLM kernel runs and compressed-tensors' own quantized forward does, as its symmetric min-max
+  qparams, ``s = max_j |x_j| / ((2**bits − 1) / 2)`` (7.5 at 4 bits) with the whole range of codes (``−8 … 7``);
 - per tensor, static: one scale calibrated offline (``s = max |X| / qmax`` over calibration data) and
   stored beside the weight as ``input_scale``; values beyond it saturate to the whole int8 range
   ``[−2**(bits−1), 2**(bits−1) − 1]``, as the consumers' kernels do (vLLM's ``static_scaled_int8_quant``,
   compressed-tensors' int8 range): a negative input below the calibrated range reaches ``−128 · s``.
 
-Rounding is to nearest, ties to even, of ``x / s`` in float32, the dynamic scale ``max_j |x_j| / qmax`` in
-float32: what vLLM's CPU kernels (``dynamic_scaled_int8_quant``, ``static_scaled_int8_quant``) compute for a
+Rounding is to nearest, ties to even, of ``x / s`` in float32, the dynamic scale in float32: what vLLM's CPU kernels (``dynamic_scaled_int8_quant``, ``static_scaled_int8_quant``) compute for a
 float32 model, element for element (bench/vllm_check.py compares the two end to end).
 
 `quantize_activations` returns the dequantized input, so a float matmul on it computes exactly what
@@ -90,6 +92,16 @@ class ActivationScheme:
     @property
     def qmax(self) -> int:
         return (1 << (self.bits - 1)) - 1
+
+    def dynamic_grid(self) -> tuple[float, int]:
+        """An int dynamic scale's divisor of the token's absolute maximum, and the lowest code (the highest is
+        `qmax`), as the width's consumer computes them: int8 as vLLM's dynamic int8 kernels (127, ``−127``);
+        narrower widths as compressed-tensors' symmetric min-max qparams (``(2**bits − 1) / 2``, ``−2**(bits−1)``).
+        At 4 bits that step is 7 % finer than ``max / 7``, and a token's maximum still rounds within half a step
+        (``7.5 → 8``, saturated to 7)."""
+        if self.bits == 8:
+            return float(self.qmax), -self.qmax
+        return ((1 << self.bits) - 1) / 2, -self.qmax - 1
 
     def float_grid(self, static: float | None = None) -> FloatScheme:
         """The float grid of the ``[tokens, in]`` view (``static``: NVFP4's calibrated global scale)."""
@@ -172,12 +184,13 @@ def quantize_activations(x: torch.Tensor, scheme: ActivationScheme, scale: torch
         return _quantize_float(x, scheme, scale)
     xf = x.float()
     if scheme.dynamic:
-        s = divide(xf.abs().amax(dim=-1, keepdim=True), scheme.qmax)  # the same quotient on every device
+        levels, low = scheme.dynamic_grid()
+        s = divide(xf.abs().amax(dim=-1, keepdim=True), levels)  # the same quotient on every device
         s = torch.where(s > 0, s, torch.ones_like(s))
     else:
         if scale is None:
             raise ValueError("static activation quantization needs the calibrated input_scale")
         s = scale.to(device=x.device, dtype=torch.float32)
-    low = -scheme.qmax if scheme.dynamic else -scheme.qmax - 1  # static: the int8 type's own range saturates
+        low = -scheme.qmax - 1  # static: the int8 type's own range saturates
     q = torch.clamp(torch.round(xf / s), low, scheme.qmax)
     return (q * s).to(x.dtype)

@@ -107,13 +107,20 @@ def test_float_activation_schemes_are_validated():
         assert ActivationScheme.from_record(preset.scheme().to_record()) == preset.scheme()
 
 
-def test_int4_per_token_is_fifteen_levels_per_token():
-    """W4A4's activations: per token s = max|x| / 7, codes in [-7, 7], as QuaRot's symmetric int4 (textbook loop)."""
+def test_int4_per_token_is_compressed_tensors_dynamic_quantization():
+    """W4A4's activations as compressed-tensors' own forward quantizes a dynamic symmetric int4 per-token input (its
+    only consumer: no vLLM kernel takes int4 activations): s = max|x| / 7.5, codes -8..7."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.quantization import QuantizationArgs
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+    from compressed_tensors.quantization.utils.helpers import compute_dynamic_scales_and_zp
+
     torch.manual_seed(0)
-    x = torch.randn(5, 64) * torch.logspace(-1, 1, 5)[:, None]
+    x = torch.randn(3, 5, 64) * torch.logspace(-1, 1, 5)[:, None]
+    x[0, 0, 3] = -x[0, 0].abs().max() * 2  # a token whose extreme is negative
+    args = QuantizationArgs(num_bits=4, type="int", strategy="token", symmetric=True, dynamic=True)
+    scale, zero = compute_dynamic_scales_and_zp(x, args, module=None)
     got = quantize_activations(x, ActivationPreset.INT4_TOKEN.scheme())
-    for row, out in zip(x, got):
-        s = row.abs().max() / 7
-        expected = torch.tensor([min(7.0, max(-7.0, round(float(v / s)))) for v in row]) * s
-        assert torch.allclose(out, expected, atol=1e-6)
-        assert len(set((out / s).round().tolist())) <= 15
+    assert torch.equal(got, fake_quantize(x, scale, zero, args))
+    s = x[0, 0].abs().max() / 7.5  # the textbook figures of that token
+    assert torch.allclose(got[0, 0], torch.clamp(torch.round(x[0, 0] / s), -8, 7) * s, atol=1e-6)

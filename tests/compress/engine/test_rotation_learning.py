@@ -108,10 +108,10 @@ def _rtn(w: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 def _int4_per_token(module, args):
-    """Textbook symmetric int4 per token: ``s = max|x| / 7``, codes ``−7 … 7``."""
+    """Textbook symmetric int4 per token as compressed-tensors computes it: ``s = max|x| / 7.5``, codes ``−8 … 7``."""
     x = args[0]
-    s = x.abs().amax(dim=-1, keepdim=True) / 7
-    return (torch.clamp(torch.round(x / torch.where(s > 0, s, 1.0)), -7, 7) * s, *args[1:])
+    s = x.abs().amax(dim=-1, keepdim=True) / 7.5
+    return (torch.clamp(torch.round(x / torch.where(s > 0, s, 1.0)), -8, 7) * s, *args[1:])
 
 
 def _quantized_loss(path, windows, bits: int | None, inputs: bool) -> float:
