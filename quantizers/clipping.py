@@ -45,12 +45,14 @@ def compiled_search(w: torch.Tensor, scheme, shrinks: list[float], norm: float, 
     out_features, groups, count = low.shape[0], low.shape[1], len(shrinks)
     scale, zero = torch.empty_like(low), torch.empty_like(low)
     step = max(1, CANDIDATE_VALUES // (groups * count))
+    factors = torch.tensor(shrinks, dtype=torch.float32)  # [candidates]
     for first in range(0, out_features, step):  # the candidates' scales and zeros a slice of rows at a time
         rows = slice(first, min(first + step, out_features))
         part = weight[rows]
-        candidates = [scheme.qparams(part, shrink=p, extremes=(low[rows], high[rows])) for p in shrinks]
-        scales = torch.stack([c[0] for c in candidates], dim=-1).contiguous()  # [rows, groups, candidates]
-        zeros = torch.stack([c[1] for c in candidates], dim=-1).contiguous()
+        # every candidate's at once, broadcast over a last axis: the values of one `qparams` call per factor (each
+        # factor is multiplied as float32 either way), without stacking 80 of them
+        extremes_of_rows = (low[rows].unsqueeze(-1), high[rows].unsqueeze(-1))
+        scales, zeros = (t.contiguous() for t in scheme.qparams(part, shrink=factors, extremes=extremes_of_rows))
         best = torch.empty(scales.shape[:2], dtype=torch.int64)
         with row_split(scales.shape[0]) as split:
             def run(r0: int, r1: int) -> None:

@@ -197,13 +197,15 @@ def add_upper_gram_(total: torch.Tensor, x: torch.Tensor, scratch: GramScratch |
     ``scratch``: buffers kept between calls (the same sums, bit for bit)."""
     scratch = scratch or GramScratch()
     windows = x if x.dim() == 3 else x.unsqueeze(0)
+    widen = total.dtype != x.dtype
     for rows, columns in _upper_blocks(0, windows.shape[-1]):
         block = total[rows, columns]
+        # each window's product (and its float64 copy) in the same buffers: taken once per block
+        product = scratch.take(block.shape, x, x.dtype)
+        wide = scratch.take(block.shape, x, total.dtype) if widen else product
         for window in windows:
-            product = torch.matmul(window[:, rows].t(), window[:, columns], out=scratch.take(block.shape, x, x.dtype))
-            if total.dtype != product.dtype:
-                product = scratch.take(product.shape, x, total.dtype).copy_(product)
-            block.add_(product)
+            torch.matmul(window[:, rows].t(), window[:, columns], out=product)
+            block.add_(wide.copy_(product) if widen else product)
 
 
 def symmetric_from_upper(total: torch.Tensor, scale: float = 1.0, dtype: torch.dtype | None = None) -> torch.Tensor:

@@ -168,3 +168,21 @@ def test_compiled_search_drops_only_candidates_that_cannot_win(bits, sym, grid, 
     if (grid, max_shrink) == (100, 0.8) and (bits <= 3 or sym is True):  # later candidates win in some groups (4-bit
         # asymmetric and full-range grids keep shrink >= 0.9 on these weights): dropping them is tested
         assert later_wins > 0
+
+
+@pytest.mark.parametrize("bits,sym", [(2, False), (4, True), (4, False), (3, "full"), (8, True)])
+def test_candidates_broadcast_over_shrink_factors_equal_one_call_each(bits, sym):
+    """The compiled search takes every candidate's scale and zero in one `qparams` call, the shrink factors a float32
+    tensor broadcast over a last axis of the extremes: the very values of one call per factor (a Python float, which
+    torch multiplies as float32), all-zero and one-signed groups included."""
+    w = heavy_tailed((16, 128), seed=bits)
+    w[0] = 0.0
+    w[1] = w[1].abs()
+    w[2] = -w[2].abs()
+    scheme = QuantScheme(bits=bits, symmetric=bool(sym), group_size=32, full_range=sym == "full")
+    low, high = scheme.extremes(w)
+    shrinks = [1 - i / 100 for i in range(80)]
+    scales, zeros = scheme.qparams(w, shrink=torch.tensor(shrinks), extremes=(low.unsqueeze(-1), high.unsqueeze(-1)))
+    for i, p in enumerate(shrinks):
+        s, z = scheme.qparams(w, shrink=p, extremes=(low, high))
+        assert torch.equal(scales[..., i], s) and torch.equal(zeros[..., i], z)
