@@ -140,8 +140,8 @@ def _upper_blocks(first: int, width: int) -> Iterator[tuple[slice, slice]]:
     """The blocks ``(rows, columns)`` covering the upper triangle of columns ``first .. first + width``: its two
     halves' triangles and the square between them, recursively, down to `GRAM_LEAF` wide, each leaf in row panels of
     `GRAM_PANEL` rows. The squares are the large products; the waste below the diagonal is half of each panel's
-    first square, a twelfth of a 1536-wide triangle where one square leaf per 384 columns wasted a quarter (5 windows
-    of 512 on one thread, against such leaves: 576 wide 15 -> 12 ms, 1536 wide 89 -> 80 ms, 2560 wide 221 -> 210
+    first square, a twelfth of a 1536-wide triangle, where one square leaf per 384 columns would waste a quarter (5
+    windows of 512 on one thread, against such leaves: 576 wide 15 -> 12 ms, 1536 wide 89 -> 80 ms, 2560 wide 221 -> 210
     ms, 4096 wide 556 -> 537 ms; every entry the same sum of the same window products, bit for bit). Narrower panels
     run below the products' rate, wider ones waste more."""
     if width <= GRAM_LEAF:
