@@ -135,7 +135,12 @@ def with_plan(setup: Setup, kind: str, dst: Path) -> dict:
     anchor = next((a for a in anchors if a.is_file()), None)
     if setup.plan is None or anchor is None:
         raise SystemExit("gptq+plan needs --plan sensitivity.json and llama.cpp or llama.cpp+imatrix listed before it in --methods")
-    result = ours_export(setup.model, dst, kind, "gptq", *setup.calib_options(), "--plan", setup.plan,
+    return allocated_gptq(setup, kind, dst, setup.plan, anchor)
+
+
+def allocated_gptq(setup: Setup, kind: str, dst: Path, plan: Path, anchor: Path, *settings: object) -> dict:
+    """``compress export --method gptq SETTINGS --plan PLAN`` at ``anchor``'s size; the plan's predicted KLD for the row."""
+    result = ours_export(setup.model, dst, kind, "gptq", *setup.calib_options(), *settings, "--plan", plan,
                          "--target-size", anchor.stat().st_size)
     return {"predicted_kld": result["plan"]["predicted_kld"]}
 
@@ -167,9 +172,7 @@ def with_plan_at_gptq(rotated: bool) -> Callable[[Setup, str, Path], dict]:
             raise SystemExit(f"the @gptq methods need gptq listed before them in --methods ({anchor.name} is missing)")
         plan = (sensitivity(setup, rotated_checkpoint(setup), "sensitivity-rotated.json") if rotated
                 else sensitivity(setup, setup.model, "sensitivity.json"))
-        result = ours_export(setup.model, dst, kind, "gptq", *setup.calib_options(), *(["--rotate", ROTATION] if rotated else []),
-                             "--plan", plan, "--target-size", anchor.stat().st_size)
-        return {"predicted_kld": result["plan"]["predicted_kld"]}
+        return allocated_gptq(setup, kind, dst, plan, anchor, *(["--rotate", ROTATION] if rotated else []))
 
     return write
 

@@ -2,7 +2,7 @@
 
 SmoothQuant (Xiao et al. 2022, arXiv:2211.10438) runs linear layers on int8 inputs. A linear layer's
 input ``x [..., in_features]`` is quantized symmetrically, ``x ≈ s · q`` with ``q`` in
-``[−(2**(bits−1) − 1), 2**(bits−1) − 1]`` (the restricted range int8 GEMMs use):
+``[−(2**(bits−1) − 1), 2**(bits−1) − 1]`` (the restricted range int8 GEMMs use; narrower dynamic ints below):
 
 - per token, dynamic: one scale per token vector, computed at run time as each width's consumer computes it:
   int8 as vLLM's dynamic int8 kernels, ``s = max_j |x_j| / 127`` with codes ``±127``; narrower ints (int4: W4A4),
@@ -13,8 +13,9 @@ input ``x [..., in_features]`` is quantized symmetrically, ``x ≈ s · q`` with
   ``[−2**(bits−1), 2**(bits−1) − 1]``, as the consumers' kernels do (vLLM's ``static_scaled_int8_quant``,
   compressed-tensors' int8 range): a negative input below the calibrated range reaches ``−128 · s``.
 
-Rounding is to nearest, ties to even, of ``x / s`` in float32, the dynamic scale in float32: what vLLM's CPU kernels (``dynamic_scaled_int8_quant``, ``static_scaled_int8_quant``) compute for a
-float32 model, element for element (bench/vllm_check.py compares the two end to end).
+Rounding is to nearest, ties to even, of ``x / s`` in float32, the dynamic scale in float32: for int8 what vLLM's
+CPU kernels (``dynamic_scaled_int8_quant``, ``static_scaled_int8_quant``) compute for a float32 model, element for
+element (bench/vllm_check.py compares the two end to end).
 
 `quantize_activations` returns the dequantized input, so a float matmul on it computes exactly what
 an int8 GEMM followed by rescaling computes (up to float accumulation order).
