@@ -53,7 +53,9 @@ def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
         # whole codes per byte (2, 4, 8 bits): the stream's bytes built as uint8, then read as the int32 words
         # they are on a little-endian host (several times faster than assembling 64-bit words)
         per = 8 // bits
-        x = torch.nn.functional.pad(x.to(torch.uint8), (0, packed_length(n, bits) * (_WORD // bits) - n))
+        x, padding = x.to(torch.uint8), packed_length(n, bits) * (_WORD // bits) - n
+        if padding:  # (a pad of nothing would still copy the codes)
+            x = torch.nn.functional.pad(x, (0, padding))
         x = x.reshape(*lead, -1, per)
         stream = x[..., 0].clone()
         for k in range(1, per):

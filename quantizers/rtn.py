@@ -27,7 +27,8 @@ def rtn(weight: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor = 1.0) 
 
     ``shrink`` (scalar or ``[out, n_groups]``, <= 1) narrows each group's range first: values beyond it
     clip to the extreme codes (AWQ's searched clipping). ``weight`` may be float32, bfloat16 or float16: the result is
-    that of its float32 copy."""
+    that of its float32 copy, except where it runs compiled (``csrc/rtn.c``: an integer grid on the CPU), whose codes
+    are uint8 and whose values are in ``weight``'s dtype (a bfloat16 weight's: the float32 values rounded to it)."""
     library = _library(weight, scheme)
     if library is not None:  # an integer grid: nothing to fit to the whole tensor
         return _compiled_rtn(library, weight, scheme, shrink)
@@ -57,8 +58,10 @@ def rtn(weight: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor = 1.0) 
 
 SOURCE = Path(__file__).parent / "csrc" / "rtn.c"
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
-SIGNATURES = tuple((name, (_I64,) * 4 + (_PTR,) * 3 + (_F32,) + (_PTR,) * 4) for name in ("rtn_int", "rtn_int_bf16"))
-_ENTRY = {torch.float32: "rtn_int", torch.bfloat16: "rtn_int_bf16"}  # the weight's dtype read by each loop
+SIGNATURES = (*((name, (_I64,) * 4 + (_PTR,) * 3 + (_F32,) + (_PTR,) * 4) for name in ("rtn_int", "rtn_int_bf16")),
+              *((name, (_I64,) * 4 + (_PTR,) * 3) for name in ("extremes", "extremes_bf16")))
+# the weight's dtype read by each loop: rounding, extremes
+_ENTRY = {torch.float32: ("rtn_int", "extremes"), torch.bfloat16: ("rtn_int_bf16", "extremes_bf16")}
 EXTRA_FLAGS = ("-fno-trapping-math",)  # the clamps' selects vectorize (see `compress.quantizers.clipping`)
 
 
@@ -72,18 +75,22 @@ def _library(w: torch.Tensor, scheme: Grid):
 def _compiled_rtn(library, w: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor) -> QuantResult:
     """`rtn`'s codes and values in one compiled pass over the weight, its rows cut between torch's threads: the torch
     loop's bits (the same grid from `scheme.qparams`, the same operations), the error figure summed in float64. A
-    bfloat16 weight is widened inside the loop (exactly: its bits are a float32's upper half)."""
+    bfloat16 weight is widened inside the loop (exactly: its bits are a float32's upper half) and its values rounded
+    to bfloat16, what the engine's bfloat16 block holds (set_weight's conversion); the codes are bytes."""
     w = w.contiguous()
-    scale, zero = scheme.qparams(w, shrink)  # extremes taken in w's dtype (`grid.group_extremes`)
+    rounding, extremes = (getattr(library, name) for name in _ENTRY[w.dtype])
+    out, groups, width = w.shape[0], scheme.groups(w.shape[1]), scheme.group_width(w.shape[1])
+    low, high = torch.empty(out, groups), torch.empty(out, groups)  # `grid.group_extremes` in one pass, not two
+    with row_split(out) as split:
+        split(lambda r0, r1: extremes(r0, r1, groups, width, w.data_ptr(), low.data_ptr(), high.data_ptr()))
+    scale, zero = scheme.qparams(w, shrink, extremes=(low, high))
     scale, zero = scale.contiguous(), zero.contiguous()
-    out, groups, width = w.shape[0], scale.shape[1], scheme.group_width(w.shape[1])
-    codes, values = torch.empty(w.shape, dtype=torch.int32), torch.empty(w.shape, dtype=torch.float32)
+    codes, values = torch.empty(w.shape, dtype=torch.uint8), torch.empty(w.shape, dtype=w.dtype)
     energy, error = torch.empty(out, dtype=torch.float64), torch.empty(out, dtype=torch.float64)
     pointers = [t.data_ptr() for t in (w, scale, zero)]
     results = [t.data_ptr() for t in (codes, values, energy, error)]
-    function = getattr(library, _ENTRY[w.dtype])
     with row_split(out) as split:
-        split(lambda r0, r1: function(r0, r1, groups, width, *pointers, float(scheme.max_code), *results))
+        split(lambda r0, r1: rounding(r0, r1, groups, width, *pointers, float(scheme.max_code), *results))
     total = float(energy.sum())
     rel_err = (float(error.sum()) / total) ** 0.5 if total > 0 else 0.0
     return QuantResult(values, codes, scale, zero, scheme, stats={"weight_rel_error": rel_err})
