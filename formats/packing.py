@@ -19,6 +19,8 @@ import sys
 
 import torch
 
+from compress.quantizers import pages
+
 _WORD = 32
 _LOW32 = 0xFFFFFFFF
 
@@ -52,14 +54,19 @@ def pack(codes: torch.Tensor, bits: int, dim: int = -1) -> torch.Tensor:
     if 8 % bits == 0 and sys.byteorder == "little":
         # whole codes per byte (2, 4, 8 bits): the stream's bytes built as uint8, then read as the int32 words
         # they are on a little-endian host (several times faster than assembling 64-bit words)
-        per = 8 // bits
-        x, padding = x.to(torch.uint8), packed_length(n, bits) * (_WORD // bits) - n
+        # (a layer's codes are large: the bytes and the shifted codes go in buffers of their own, `pages.empty`)
+        per, padding = 8 // bits, packed_length(n, bits) * (_WORD // bits) - n
+        if x.dtype != torch.uint8:
+            x = pages.empty(x.shape, torch.uint8).copy_(x)
         if padding:  # (a pad of nothing would still copy the codes)
             x = torch.nn.functional.pad(x, (0, padding))
         x = x.reshape(*lead, -1, per)
-        stream = x[..., 0].clone()
-        for k in range(1, per):
-            stream |= x[..., k] << (k * bits)
+        stream = torch.bitwise_left_shift(x[..., per - 1], (per - 1) * bits, out=pages.empty(x.shape[:-1], torch.uint8))
+        shifted = pages.empty(x.shape[:-1], torch.uint8) if per > 2 else None
+        for k in range(per - 2, 0, -1):
+            stream |= torch.bitwise_left_shift(x[..., k], k * bits, out=shifted)
+        if per > 1:
+            stream |= x[..., 0]
         return stream.contiguous().view(torch.int32).movedim(-1, dim)
     x = x.to(torch.int64)
     chunks = math.ceil(n / _WORD)

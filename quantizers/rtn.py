@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from compress.quantizers.gptq_columns import row_split
+from compress.quantizers import pages
 from compress.quantizers.native import compiled
 from compress.quantizers.result import Grid, QuantResult
 
@@ -85,7 +86,7 @@ def _compiled_rtn(library, w: torch.Tensor, scheme: Grid, shrink: float | torch.
         split(lambda r0, r1: extremes(r0, r1, groups, width, w.data_ptr(), low.data_ptr(), high.data_ptr()))
     scale, zero = scheme.qparams(w, shrink, extremes=(low, high))
     scale, zero = scale.contiguous(), zero.contiguous()
-    codes, values = torch.empty(w.shape, dtype=torch.uint8), torch.empty(w.shape, dtype=w.dtype)
+    codes, values = pages.empty(w.shape, torch.uint8), pages.empty(w.shape, w.dtype)  # written once, in full
     energy, error = torch.empty(out, dtype=torch.float64), torch.empty(out, dtype=torch.float64)
     pointers = [t.data_ptr() for t in (w, scale, zero)]
     results = [t.data_ptr() for t in (codes, values, energy, error)]

@@ -39,6 +39,10 @@ class Background(Generic[T]):
             raise self._error
         return self._value  # type: ignore[return-value]
 
+    def done(self) -> bool:
+        """``fn`` has returned or raised: `result` will not wait."""
+        return not self._thread.is_alive()
+
     def raise_if_failed(self) -> None:
         """Raise ``fn``'s exception if it has already failed; return at once otherwise (finished or not)."""
         if not self._thread.is_alive() and self._error is not None:

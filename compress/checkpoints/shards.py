@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from compress.checkpoints.background import InOrder
 from compress.errors import CompressError
+from compress.quantizers import pages
 from compress.quantizers.finite import all_finite
 
 # safetensors dtype names (safetensors/src/tensor.rs) -> torch dtypes
@@ -117,7 +118,7 @@ def check_finite(path: Path, name: str, tensor: torch.Tensor) -> None:
 
 
 def _read_tensor(path: Path, data_start: int, entry: dict) -> torch.Tensor:
-    tensor = torch.empty(entry["shape"], dtype=SAFETENSORS_DTYPES[entry["dtype"]])
+    tensor = pages.empty(entry["shape"], SAFETENSORS_DTYPES[entry["dtype"]])  # written once, in full, by the read
     begin, end = entry["data_offsets"]
     if end > begin:
         buffer = tensor.reshape(-1).view(torch.uint8).numpy()

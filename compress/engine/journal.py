@@ -117,10 +117,12 @@ def _learners(engine) -> list:
 class BlockJournal:
     """The progress record of a run writing into ``directory`` (its temporary output directory)."""
 
-    def __init__(self, directory: Path, current: Callable[[], dict[str, Any]]):
-        """``current``: the run's `fingerprint`, computed on first use (a fresh run needs it only for its first record)."""
+    def __init__(self, directory: Path, current: Callable[[], dict[str, Any]], ready: Callable[[], bool] = lambda: True):
+        """``current``: the run's `fingerprint`, computed on first use (a fresh run needs it only for its first record);
+        ``ready``: whether ``current`` returns without waiting (the model's digests are hashed on a thread)."""
         self.root = directory / PROGRESS
         self._current = current
+        self._ready = ready
         self._cost = 0.0  # seconds the last record took to write (none yet: the first block is always recorded)
         self._since = time.perf_counter()  # when the last record was finished
 
@@ -168,11 +170,13 @@ class BlockJournal:
         Skipped while the records would cost more than `RECORD_SHARE` of the run's time: the work since the last
         record took less than its write time / `RECORD_SHARE` (short blocks on many calibration windows, where
         writing the activations costs a sizeable part of a block). A kill then loses at most that much work more,
-        and the resumed run still ends with the same bytes (it continues from the last record). The first and the
-        last block are always recorded; the main process decides for all."""
+        and the resumed run still ends with the same bytes (it continues from the last record). The last block is
+        always recorded, the first once the run's fingerprint is ready: hashing an 8B model's 16 GB takes longer than
+        its first blocks of RTN, which would otherwise wait for it (a kill before then resumes nothing). The main
+        process decides for all."""
         ranks = engine.ranks
         last = index + 1 == len(engine.handle.blocks)  # after the last block nothing runs on the inputs
-        due = last or time.perf_counter() - self._since >= self._cost / RECORD_SHARE
+        due = last or self._ready() and time.perf_counter() - self._since >= self._cost / RECORD_SHARE
         if not ranks.broadcast_object(due):
             return
         start = time.perf_counter()

@@ -236,8 +236,8 @@ def run_stages(
     engine.check_calibration(calibration)
     # a plan file's layers, not only its path; the processes, each of which recorded its share of the inputs
     settings = {**_settings(recipe), "plans": [plan.to_dict() for _, plan in plans], "processes": ranks.world}
-    # taken when first needed (a resumed run's check, the first progress record after block 0, the run's record),
-    # so hashing a large model's files goes on during the first block rather than before it
+    # taken when first needed (a resumed run's check, the first progress record once the digests are done, the run's
+    # record), so hashing a large model's files goes on during the first blocks rather than before them
     current = functools.cache(lambda: fingerprint(settings, digests.result()["model"], calibration))
     if recipe.resume:
         output.resume = lambda directory: check_resumable(directory, current())
@@ -251,7 +251,7 @@ def run_stages(
         writer = ShardedWriter(tmp, recipe.output.shard_size_mb << 20)
         if handle.names is not None:  # tensors under the checkpoint's on-disk names (transformers' layout)
             writer = RenamingWriter(writer, handle.names)
-        journal = BlockJournal(tmp, current)  # progress after each block, for --resume
+        journal = BlockJournal(tmp, current, digests.done)  # progress after each block, for --resume
         with ranks:  # the process group ends with the engine's run: writing, evaluating and exporting are the main rank's
             ranks.broadcast_object(tmp)
             result = engine.run(writer, calibration, journal)

@@ -141,3 +141,24 @@ def test_a_recipe_resumes_by_flag_or_key(tmp_path, three_blocks, monkeypatch, ho
     resumed = CliRunner().invoke(app, ["run", str(recipe), *([how] if how == "--resume" else [])])
     assert resumed.exit_code == 0, resumed.output
     assert _digests(out) == whole
+
+
+def test_no_record_waits_for_the_model_digests_and_a_kill_before_them_resumes_from_the_start(tmp_path, three_blocks, monkeypatch):
+    """While the model's files are still being hashed (here: never done until the run's record takes them), blocks
+    are written without a progress record: a kill after block 1 leaves none, --resume says there is nothing to
+    continue, and the run started again writes the bytes of an uninterrupted one."""
+    from compress.checkpoints.background import Background
+
+    out = tmp_path / "out"
+    argv = ["quantize", str(three_blocks), "-o", str(out), "--method", "gptq", "--group-size", "32", *CALIB]
+    assert CliRunner().invoke(app, argv).exit_code == 0
+    whole = _digests(out)
+    shutil.rmtree(out)
+    monkeypatch.setattr(Background, "done", lambda self: False)
+    killed = _killed_after(1, argv, out, monkeypatch)
+    assert not (killed / PROGRESS / "progress.json").exists()
+    resumed = CliRunner().invoke(app, [*argv, "--resume"])
+    assert resumed.exit_code == 2 and "no interrupted run" in resumed.output and "run without --resume" in resumed.output
+    again = CliRunner().invoke(app, argv)
+    assert again.exit_code == 0, again.output
+    assert _digests(out) == whole

@@ -26,3 +26,50 @@ def test_holds_is_torch_equal_of_the_converted_weight(dtype):
         assert not holds(changed, weight)
     assert holds(held.t(), weight.t())  # a transposed view (GPT-2's Conv1D weight), sliced by its rows
     assert not holds(held[:9], weight)  # another shape
+
+
+class _Stage:
+    """What `LayerOutcomes.keep` asks of a method: its outcomes and its record."""
+
+    name = "rtn"
+
+    def __init__(self, kept):
+        self.kept = kept
+
+    def take_outcomes(self):
+        return self.kept
+
+    def record(self):
+        return {}
+
+
+@pytest.mark.parametrize("change", ["none", "other values", "the same values", "replaced"])
+def test_a_layer_is_packed_unless_its_weight_changed_after_it_was_quantized(change, caplog):
+    """The packer's check, end to end in `LayerOutcomes`: a weight written by nothing after its stage is packed without
+    comparing it; an in-place write (the values changed or not) or another tensor is compared with the codes' values."""
+    from compress.checkpoints.model_io import set_weight
+    from compress.engine.methods.base import LayerOutcome
+    from compress.formats.compressed_tensors import CompressedTensorsFormat
+    from compress.quantizers.grid import QuantScheme
+    from compress.quantizers.rtn import rtn
+
+    torch.manual_seed(1)
+    layer = torch.nn.Linear(64, 8, bias=False).to(torch.bfloat16)
+    quant = rtn(layer.weight.detach(), QuantScheme(4, True, 32))
+    set_weight(layer, quant.weight)
+    kept = outcomes.LayerOutcomes(CompressedTensorsFormat())
+    kept.keep(_Stage({"l": LayerOutcome(quant.weight, {}, quant=quant)}), {"l": layer})
+    assert outcomes.untouched(layer.weight, kept._written["l"])
+    compared = []
+    real_holds = outcomes.holds
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(outcomes, "holds", lambda held, weight: compared.append(1) or real_holds(held, weight))
+        if change == "other values":
+            set_weight(layer, quant.weight.float() * 2)
+        elif change == "the same values":
+            set_weight(layer, quant.weight)
+        elif change == "replaced":
+            layer.weight = torch.nn.Parameter(quant.weight.to(torch.bfloat16).clone())
+        tensors = kept.packed_tensors("l", layer, torch.bfloat16)
+    assert (tensors is None) == (change == "other values")
+    assert bool(compared) == (change != "none")  # compared only where written since
