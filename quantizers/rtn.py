@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-from compress.quantizers.gptq_columns import row_split
 from compress.quantizers import pages
+from compress.quantizers.gptq_columns import row_split
 from compress.quantizers.native import compiled
 from compress.quantizers.result import Grid, QuantResult
 
