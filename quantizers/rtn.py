@@ -9,6 +9,7 @@ On the CPU an integer grid runs compiled (``csrc/rtn.c``, one pass over the weig
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 from pathlib import Path
 
 import torch
@@ -23,16 +24,27 @@ from compress.quantizers.result import Grid, QuantResult
 SLICE_ELEMENTS = 1 << 20
 
 
-def rtn(weight: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor = 1.0) -> QuantResult:
-    """Quantize ``weight [out, in]`` to ``scheme`` by rounding to nearest. Does not modify ``weight``.
+def rtn(weight: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor = 1.0, *, overwrite: bool = False) -> QuantResult:
+    """Quantize ``weight [out, in]`` to ``scheme`` by rounding to nearest. Does not modify ``weight`` unless asked.
 
     ``shrink`` (scalar or ``[out, n_groups]``, <= 1) narrows each group's range first: values beyond it
     clip to the extreme codes (AWQ's searched clipping). ``weight`` may be float32, bfloat16 or float16: the result is
     that of its float32 copy, except where it runs compiled (``csrc/rtn.c``: an integer grid on the CPU), whose codes
-    are uint8 and whose values are in ``weight``'s dtype (a bfloat16 weight's: the float32 values rounded to it)."""
+    are uint8 and whose values are in ``weight``'s dtype (a bfloat16 weight's: the float32 values rounded to it).
+    ``overwrite``: the values are written over ``weight``, in its dtype, and the result's weight is ``weight`` itself:
+    for a caller that transforms its layer in place, with no second tensor of the layer's size."""
     library = _library(weight, scheme)
     if library is not None:  # an integer grid: nothing to fit to the whole tensor
-        return _compiled_rtn(library, weight, scheme, shrink)
+        return _compiled_rtn(library, weight, scheme, shrink, overwrite)
+    result = _torch_rtn(weight, scheme, shrink)
+    if overwrite:
+        weight.copy_(result.weight)
+        result = dataclasses.replace(result, weight=weight)
+    return result
+
+
+def _torch_rtn(weight: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor) -> QuantResult:
+    """`rtn` by torch's operations on the float32 copy of ``weight``, a slice of rows at a time where rows are independent."""
     w = weight.float()
     scheme = scheme.fit(w)
     rows = max(1, SLICE_ELEMENTS // max(w.shape[1], 1)) if scheme.rows_independent else w.shape[0]
@@ -73,12 +85,12 @@ def _library(w: torch.Tensor, scheme: Grid):
     return compiled(SOURCE, SIGNATURES, EXTRA_FLAGS) if usable else None
 
 
-def _compiled_rtn(library, w: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor) -> QuantResult:
+def _compiled_rtn(library, weight: torch.Tensor, scheme: Grid, shrink: float | torch.Tensor, overwrite: bool) -> QuantResult:
     """`rtn`'s codes and values in one compiled pass over the weight, its rows cut between torch's threads: the torch
     loop's bits (the same grid from `scheme.qparams`, the same operations), the error figure summed in float64. A
     bfloat16 weight is widened inside the loop (exactly: its bits are a float32's upper half) and its values rounded
     to bfloat16, what the engine's bfloat16 block holds (set_weight's conversion); the codes are bytes."""
-    w = w.contiguous()
+    w = weight.contiguous()
     rounding, extremes = (getattr(library, name) for name in _ENTRY[w.dtype])
     out, groups, width = w.shape[0], scheme.groups(w.shape[1]), scheme.group_width(w.shape[1])
     low, high = torch.empty(out, groups), torch.empty(out, groups)  # `grid.group_extremes` in one pass, not two
@@ -86,12 +98,15 @@ def _compiled_rtn(library, w: torch.Tensor, scheme: Grid, shrink: float | torch.
         split(lambda r0, r1: extremes(r0, r1, groups, width, w.data_ptr(), low.data_ptr(), high.data_ptr()))
     scale, zero = scheme.qparams(w, shrink, extremes=(low, high))
     scale, zero = scale.contiguous(), zero.contiguous()
-    codes, values = pages.empty(w.shape, torch.uint8), pages.empty(w.shape, w.dtype)  # written once, in full
+    codes = pages.empty(w.shape, torch.uint8)  # written once, in full
+    values = w if overwrite else pages.empty(w.shape, w.dtype)  # the loop reads each strip of w before writing it
     energy, error = torch.empty(out, dtype=torch.float64), torch.empty(out, dtype=torch.float64)
     pointers = [t.data_ptr() for t in (w, scale, zero)]
     results = [t.data_ptr() for t in (codes, values, energy, error)]
     with row_split(out) as split:
         split(lambda r0, r1: rounding(r0, r1, groups, width, *pointers, float(scheme.max_code), *results))
+    if overwrite and values is not weight:  # a weight whose rows are not contiguous was copied
+        values = weight.copy_(values)
     total = float(energy.sum())
     rel_err = (float(error.sum()) / total) ** 0.5 if total > 0 else 0.0
     return QuantResult(values, codes, scale, zero, scheme, stats={"weight_rel_error": rel_err})

@@ -54,9 +54,13 @@ def get_weight(module: nn.Module) -> torch.Tensor:
 
 
 def set_weight(module: nn.Module, weight: torch.Tensor) -> None:
-    """Replace the layer's weight values from an ``[out, in]`` tensor, keeping dtype and device."""
+    """Replace the layer's weight values from an ``[out, in]`` tensor, keeping dtype and device. A tensor that is the
+    weight's own memory (a method wrote its values in place) is left as it is."""
     target = module.weight
     new = weight.t() if is_conv1d(module) else weight
+    if (new.data_ptr(), new.shape, new.stride(), new.dtype, new.device) == (target.data_ptr(), target.shape, target.stride(), target.dtype,
+                                                                            target.device):
+        return
     with torch.no_grad():
         target.copy_(new)  # converted to the target's dtype as .to() would, with no copy in between
 

@@ -82,7 +82,10 @@ class LayerOutcomes:
             log.warning("%s has quantized inputs but no weight codes: it is written dense (activation settings in the record)", name)
             return None
         held = get_weight(module).detach()  # in the forwards' dtype: a bfloat16 block holds the codes' values rounded
-        if not untouched(module.weight, written) and not holds(held, quant.weight):
+        # values written over the layer's own weight (`rtn(overwrite=True)`) cannot be compared with it: only untouched
+        # since, they are known to be there
+        if not untouched(module.weight, written) and (quant.weight.untyped_storage().data_ptr() == held.untyped_storage().data_ptr()
+                                                      or not holds(held, quant.weight)):
             log.warning("%s was changed after it was quantized: it is written dense (fake-quantized)", name)
             return None
         reason = self.packer.reason_not_packable(quant, is_conv1d(module), activations)

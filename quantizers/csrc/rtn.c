@@ -45,7 +45,8 @@ static inline uint16_t bf16_bits(float f)
 
 /* w [rows, groups * width] float32 or bfloat16; values the same shape in w's dtype (a bfloat16 weight's values are
    the float32 values rounded, as a bfloat16 model holds them), codes uint8; scale, zero [rows, groups]; energy, error
-   [rows] double, of the float32 values. */
+   [rows] double, of the float32 values. values may be w itself: each strip of w is read before its values are
+   written over it. */
 static inline __attribute__((always_inline)) void rtn_rows(int64_t r0, int64_t r1, int64_t groups, int64_t width,
                                                            const void *w, int bf16, const float *scale, const float *zero,
                                                            float max_code, uint8_t *codes, void *values, double *energy,
@@ -66,16 +67,16 @@ static inline __attribute__((always_inline)) void rtn_rows(int64_t r0, int64_t r
                     codes[at + j] = (uint8_t)q;
                     exact[j] = (q - z) * s;
                 }
-                if (bf16)
-                    for (int64_t j = 0; j < n; j++)
-                        ((uint16_t *)values)[at + j] = bf16_bits(exact[j]);
-                else
-                    memcpy((float *)values + at, exact, n * sizeof(float));
                 for (int64_t j = 0; j < n; j++) {
                     const double a = load(w, at + j, bf16), b = a - (double)exact[j];
                     e += a * a;
                     d += b * b;
                 }
+                if (bf16)  /* the strip of w is read: values may be w itself */
+                    for (int64_t j = 0; j < n; j++)
+                        ((uint16_t *)values)[at + j] = bf16_bits(exact[j]);
+                else
+                    memcpy((float *)values + at, exact, n * sizeof(float));
             }
         }
         energy[r] = e;

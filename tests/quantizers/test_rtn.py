@@ -224,3 +224,21 @@ def test_a_bfloat16_weight_gives_what_its_float32_copy_gives(bits, sym, gs, full
         a, b = getattr(ours, field), getattr(theirs, field)
         assert torch.equal(a, b.to(a.dtype)), field
     assert ours.stats["weight_rel_error"] == theirs.stats["weight_rel_error"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("layout", ["rows", "transposed"])
+def test_overwrite_writes_the_values_over_the_weight(dtype, layout):
+    """``overwrite=True``: the same codes, grid and error figure as a fresh result, the values (in the weight's
+    dtype) written over the weight itself, which the result holds; a transposed view (GPT-2's Conv1D) included."""
+    torch.manual_seed(5)
+    base = (torch.randn(96, 128) * 0.05).to(dtype)
+    weight = base.clone() if layout == "rows" else base.t().contiguous().t()
+    scheme = QuantScheme(4, False, 32)
+    fresh = rtn(weight.clone(), scheme)
+    result = rtn(weight, scheme, overwrite=True)
+    assert result.weight is weight and weight.dtype == dtype
+    assert torch.equal(weight, fresh.weight.to(dtype))
+    for field in ("codes", "scale", "zero"):
+        assert torch.equal(getattr(result, field), getattr(fresh, field)), field
+    assert result.stats == fresh.stats

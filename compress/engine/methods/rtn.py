@@ -187,5 +187,6 @@ class RTN(InputQuantization, Method):
         self.check_grid(name, in_features)
 
     def transform_layer(self, name, weight, stats) -> LayerOutcome:
-        result = rtn(weight, self.config.scheme())
+        # the layer's own weight (`takes_stored_dtype`), which the engine sets to the values: written over at once
+        result = rtn(weight, self.config.scheme(), overwrite=True)
         return self.with_inputs(name, LayerOutcome(result.weight, dict(result.stats), quant=result), stats)

@@ -73,3 +73,26 @@ def test_a_layer_is_packed_unless_its_weight_changed_after_it_was_quantized(chan
         tensors = kept.packed_tensors("l", layer, torch.bfloat16)
     assert (tensors is None) == (change == "other values")
     assert bool(compared) == (change != "none")  # compared only where written since
+
+
+def test_values_written_over_the_weight_are_packed_only_while_untouched():
+    """`rtn(overwrite=True)` leaves the codes' values in the layer's own weight: comparing the two would always agree,
+    so a write after the stage (here the same values again) writes the layer dense, and no write packs it."""
+    from compress.checkpoints.model_io import set_weight
+    from compress.engine.methods.base import LayerOutcome
+    from compress.formats.compressed_tensors import CompressedTensorsFormat
+    from compress.quantizers.grid import QuantScheme
+    from compress.quantizers.rtn import rtn
+
+    for written_since in (False, True):
+        torch.manual_seed(2)
+        layer = torch.nn.Linear(64, 8, bias=False).to(torch.bfloat16)
+        quant = rtn(layer.weight.detach(), QuantScheme(4, True, 32), overwrite=True)
+        assert quant.weight.data_ptr() == layer.weight.data_ptr()
+        set_weight(layer, quant.weight)  # its own memory: nothing to copy, nothing counted
+        kept = outcomes.LayerOutcomes(CompressedTensorsFormat())
+        kept.keep(_Stage({"l": LayerOutcome(quant.weight, {}, quant=quant)}), {"l": layer})
+        if written_since:
+            with torch.no_grad():
+                layer.weight.mul_(1.0)
+        assert (kept.packed_tensors("l", layer, torch.bfloat16) is None) == written_since
