@@ -119,3 +119,17 @@ def test_an_export_with_calibration_text_switches_to_the_calibrated_policy(monke
         CliRunner().invoke(app, args + [str(CALIB_TEXT) if a == "CALIB" else a for a in extra], catch_exceptions=False)
     assert applied[-1] == getattr(allocator, policy)
     assert chunks == [method == "gptq"]
+
+
+@pytest.mark.parametrize("given", [None, "5"])
+def test_the_cli_shortens_openmps_spin_before_torch_loads_unless_the_user_set_it(given):
+    """`compress.cli` sets GOMP_SPINCOUNT before torch (and with it libgomp, which reads it as it loads) is imported;
+    a value in the environment is kept."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"} | ({"GOMP_SPINCOUNT": given} if given else {})
+    code = "import compress.cli, os, sys; print('torch' in sys.modules, os.environ['GOMP_SPINCOUNT'])"
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True, cwd="/").stdout.split()
+    assert out == ["False", given or "1000"]  # torch, imported by the command that runs, loads after it
