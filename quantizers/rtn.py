@@ -94,16 +94,15 @@ def _compiled_rtn(library, weight: torch.Tensor, scheme: Grid, shrink: float | t
     rounding, extremes = (getattr(library, name) for name in _ENTRY[w.dtype])
     out, groups, width = w.shape[0], scheme.groups(w.shape[1]), scheme.group_width(w.shape[1])
     low, high = torch.empty(out, groups), torch.empty(out, groups)  # `grid.group_extremes` in one pass, not two
-    with row_split(out) as split:
-        split(lambda r0, r1: extremes(r0, r1, groups, width, w.data_ptr(), low.data_ptr(), high.data_ptr()))
-    scale, zero = scheme.qparams(w, shrink, extremes=(low, high))
-    scale, zero = scale.contiguous(), zero.contiguous()
     codes = pages.empty(w.shape, torch.uint8)  # written once, in full
     values = w if overwrite else pages.empty(w.shape, w.dtype)  # the loop reads each strip of w before writing it
     energy, error = torch.empty(out, dtype=torch.float64), torch.empty(out, dtype=torch.float64)
-    pointers = [t.data_ptr() for t in (w, scale, zero)]
-    results = [t.data_ptr() for t in (codes, values, energy, error)]
     with row_split(out) as split:
+        split(lambda r0, r1: extremes(r0, r1, groups, width, w.data_ptr(), low.data_ptr(), high.data_ptr()))
+        scale, zero = scheme.qparams(w, shrink, extremes=(low, high))
+        scale, zero = scale.contiguous(), zero.contiguous()
+        pointers = [t.data_ptr() for t in (w, scale, zero)]
+        results = [t.data_ptr() for t in (codes, values, energy, error)]
         split(lambda r0, r1: rounding(r0, r1, groups, width, *pointers, float(scheme.max_code), *results))
     if overwrite and values is not weight:  # a weight whose rows are not contiguous was copied
         values = weight.copy_(values)

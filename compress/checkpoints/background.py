@@ -45,7 +45,7 @@ class Background(Generic[T]):
 
     def raise_if_failed(self) -> None:
         """Raise ``fn``'s exception if it has already failed; return at once otherwise (finished or not)."""
-        if not self._thread.is_alive() and self._error is not None:
+        if self.done() and self._error is not None:
             raise self._error
 
 

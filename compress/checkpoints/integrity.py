@@ -41,7 +41,7 @@ def sidecar_manifest(path: Path) -> Path:
     return path.with_name(path.name + ".manifest.json")
 
 
-# Every chunk of a file is read into one of two buffers kept for the whole file: `f.read` would make each 16 MB chunk a
+# A file is read into buffers kept while it is read (one here, two in `_digests`): `f.read` would make each 16 MB chunk a
 # fresh mapping (the allocator's threshold is 1 MB), zeroed by the kernel page by page and unmapped again: an 8B model's
 # 16 GB of input would be 16 GB of fresh pages.
 def sha256_file(path: Path) -> str:

@@ -123,7 +123,7 @@ class BlockJournal:
         self.root = directory / PROGRESS
         self._current = current
         self._ready = ready
-        self._cost = 0.0  # seconds the last record took to write (none yet: the first block is always recorded)
+        self._cost = 0.0  # seconds the last record took to write (none yet: the first record is due once `ready`)
         self._since = time.perf_counter()  # when the last record was finished
 
     @property

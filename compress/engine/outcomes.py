@@ -30,8 +30,9 @@ class LayerOutcomes:
     def __init__(self, packer: PackFormat | None):
         self.packer = packer
         self.packed: dict[str, PackedLayer] = {}
-        self._outcomes: dict[str, tuple[LayerOutcome, dict | None]] = {}  # last quantizing stage per layer
-        self._written: dict[str, tuple] = {}  # the layer's weight as the stage left it: the tensor, its version, data
+        # last quantizing stage per layer: its outcome, its activation settings, and the layer's weight as the stage
+        # left it (`untouched`)
+        self._outcomes: dict[str, tuple[LayerOutcome, dict | None, tuple]] = {}
 
     def keep(self, method: Method, layers: dict[str, nn.Module]) -> None:
         """Remember the codes of the layers ``method`` just quantized; a layer changed by a later stage
@@ -48,9 +49,8 @@ class LayerOutcomes:
                     acts = earlier[1]
                     if outcome.input_scale is None:
                         outcome = dataclasses.replace(outcome, input_scale=earlier[0].input_scale)
-                self._outcomes[name] = (outcome, acts)
                 weight = layers[name].weight
-                self._written[name] = (weakref.ref(weight), weight._version, weight.data_ptr())
+                self._outcomes[name] = (outcome, acts, (weakref.ref(weight), weight._version, weight.data_ptr()))
             elif self._outcomes.pop(name, None) is not None:
                 log.warning("%s was quantized and then changed by %s: it is written dense", name, method.name)
 
@@ -73,10 +73,10 @@ class LayerOutcomes:
 
     def packed_tensors(self, name: str, module: nn.Module, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
         """The packed tensors replacing ``name.weight``, or None to write it dense."""
-        entry, written = self._outcomes.pop(name, None), self._written.pop(name, None)
+        entry = self._outcomes.pop(name, None)
         if entry is None or self.packer is None:
             return None
-        outcome, activations = entry
+        outcome, activations, written = entry
         quant = outcome.quant
         if quant is None:
             log.warning("%s has quantized inputs but no weight codes: it is written dense (activation settings in the record)", name)
@@ -96,12 +96,12 @@ class LayerOutcomes:
         return self.packer.tensors(quant, dtype, outcome.input_scale, activations)
 
 
-def untouched(weight: torch.Tensor, written: tuple | None) -> bool:
+def untouched(weight: torch.Tensor, written: tuple) -> bool:
     """``weight`` is the tensor the quantizing stage wrote its values into (`LayerOutcomes.keep`), with no write since:
     torch counts every in-place write to a tensor (its version), and a parameter replaced is another tensor or other
     memory. Then it holds the codes' values without comparing them (`holds` reads the whole layer twice). Writes
     through ``.data`` are not counted by torch; nothing in the engine or its methods writes a weight so."""
-    return written is not None and written[0]() is weight and (weight._version, weight.data_ptr()) == written[1:]
+    return written[0]() is weight and (weight._version, weight.data_ptr()) == written[1:]
 
 
 # elements of a layer compared at a time by `holds`: a slice's converted copy (512 KB in bfloat16) comes from the heap

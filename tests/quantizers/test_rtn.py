@@ -81,7 +81,7 @@ def test_rtn_half_precision_inputs(dtype, sym, gs):
     np.testing.assert_allclose(res.scale.numpy(), ref_s, rtol=1e-6)
     assert_codes_match(res.codes.numpy(), ref_q, ratio, sym, 4)
     s_full = expand_groups(ref_s, 128)
-    rounding = np.abs(ref_deq) * 2.0**-8 if res.weight.dtype == torch.bfloat16 else 0.0  # half a bfloat16 ulp, and more
+    rounding = np.abs(ref_deq) * 2.0**-8 if res.weight.dtype == torch.bfloat16 else 0.0  # at least half a bfloat16 ulp
     assert (np.abs(res.weight.float().numpy() - ref_deq) <= s_full * (1 + 1e-5) + rounding).all()
     expected = np.linalg.norm(w64 - ref_deq) / np.linalg.norm(w64)
     assert res.stats["weight_rel_error"] == pytest.approx(expected, rel=1e-4)

@@ -59,7 +59,7 @@ def test_a_layer_is_packed_unless_its_weight_changed_after_it_was_quantized(chan
     set_weight(layer, quant.weight)
     kept = outcomes.LayerOutcomes(CompressedTensorsFormat())
     kept.keep(_Stage({"l": LayerOutcome(quant.weight, {}, quant=quant)}), {"l": layer})
-    assert outcomes.untouched(layer.weight, kept._written["l"])
+    assert outcomes.untouched(layer.weight, kept._outcomes["l"][2])
     compared = []
     real_holds = outcomes.holds
     with pytest.MonkeyPatch.context() as patch:
