@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from compress.engine.passes import layer_input
+from compress.quantizers import gram
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,11 @@ class InputStatistics:
     order round to the same float32 result (differing only where a sum lands within 1e-16 of a float32
     rounding boundary). A 2-D input (an MoE expert's routed tokens, gathered from several windows) has no
     window rows, so its products are taken in float64, exact for float32 inputs. GPTQ's column order
-    follows the Hessian's diagonal, so last-bit differences there would change many codes."""
+    follows the Hessian's diagonal, so last-bit differences there would change many codes. Contiguous bfloat16
+    windows on a CPU that multiplies bfloat16 pairs take their Gram sums compiled (`compress.quantizers.gram`): each
+    window's float32 sum in another order than torch's product, so such a run's codes differ from a float32 copy's
+    as runs on CPUs of different float32 kernels do, and with no float32 copy of the input where the Hessian is all
+    that is collected."""
 
     def __init__(self, in_features: int, needs: frozenset[Stat], device: torch.device | str = "cpu",
                  scratch: GramScratch | None = None):
@@ -65,14 +70,25 @@ class InputStatistics:
 
     def update(self, x: torch.Tensor, reference: torch.Tensor | None = None) -> None:
         """Add the token vectors ``x``; ``reference``: the same tokens' input in the uncompressed model (INPUT_DRIFT)."""
-        x = self._scratch.float32_of(x.detach())
+        x = x.detach()
         if x.numel() == 0:
             return
         if self.drift_sum is not None and (reference is None or reference.shape != x.shape):
             got = "none" if reference is None else tuple(reference.shape)
             raise ValueError(f"the uncompressed model's input {got} does not match this input {tuple(x.shape)}")
+        gram_done = False
+        if self.outer_sum is not None and x.dim() >= 3:  # bfloat16 windows: compiled, where the CPU multiplies them
+            windows = x.reshape(-1, x.shape[-2], self.in_features)
+            if gram.usable(self.outer_sum, windows):
+                packed = self._scratch.take(gram.packed_shape(windows), windows, torch.int32)
+                gram.add_upper_gram_bf16_(self.outer_sum, windows, packed)
+                gram_done = True
+                if not self.needs - {Stat.HESSIAN}:  # nothing else to collect: no float32 copy
+                    self.count += windows.shape[0] * windows.shape[1]
+                    return
+        x = self._scratch.float32_of(x)
         pairs = self._windows(x)
-        if self.outer_sum is not None and pairs.shape[1] > 0:
+        if self.outer_sum is not None and pairs.shape[1] > 0 and not gram_done:
             add_upper_gram_(self.outer_sum, pairs, self._scratch)
         references = self._windows(reference.detach().float()) if self.drift_sum is not None else [None] * len(pairs)
         for window, ref in zip(pairs, references):
