@@ -40,6 +40,14 @@ class ComputeDtype(str, enum.Enum):
     bfloat16 = "bfloat16"
     float16 = "float16"
 
+    @classmethod
+    def parse(cls, value: str) -> "ComputeDtype":
+        """The choice a ``--compute-dtype`` value names; a `CompressError` naming the choices otherwise."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise CompressError(f"--compute-dtype {value}: use one of {', '.join(c.value for c in cls)}") from None
+
 
 def native_dtypes(device: torch.device) -> frozenset[torch.dtype]:
     """The 16-bit dtypes ``device`` multiplies at least as fast as float32. A CPU without AVX-512 BF16 or AMX

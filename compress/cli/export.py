@@ -115,7 +115,7 @@ def export_command(
             from compress.checkpoints.loading import ComputeDtype
 
             result = export_calibrated(config, kind, CalibrationSpec(path=calib, samples=samples, seq_len=seq_len), progress, device=device,
-                                       compute_dtype=ComputeDtype(compute_dtype), window_chunks=allocator.CALIBRATED_EXPORT.window_chunks,
+                                       compute_dtype=ComputeDtype.parse(compute_dtype), window_chunks=allocator.CALIBRATED_EXPORT.window_chunks,
                                        **settings)
         else:
             if calib is not None:
@@ -125,7 +125,10 @@ def export_command(
                 from compress.engine.one_pass import CHUNK_BYTES
 
                 chunks = CHUNK_BYTES if allocator.CALIBRATED_EXPORT.window_chunks else None  # batches the heap serves
-                run_imatrix(ImatrixConfig(model, calib, imatrix, samples, seq_len, chunk_bytes=chunks), progress)
+                from compress.checkpoints.loading import ComputeDtype
+
+                run_imatrix(ImatrixConfig(model, calib, imatrix, samples, seq_len, chunk_bytes=chunks,
+                                          compute_dtype=ComputeDtype.parse(compute_dtype)), progress)
             if launched_rank():  # under a launcher the other processes shared the imatrix; rank 0 writes the file
                 return
             source = f"collected from {calib}" if calib is not None else None
@@ -165,14 +168,18 @@ def imatrix_command(
     seq_len: int = SEQ_LEN_OPT,
     process_output: bool = typer.Option(False, "--process-output", help="Also collect lm_head's inputs (as llama-imatrix --process-output)."),
     overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing output file."),
+    compute_dtype: str = COMPUTE_DTYPE_OPT,
     as_json: bool = JSON_OPT,
 ) -> None:
     """Collect llama.cpp's importance matrix: per-column sums of squared inputs and token counts of every block linear layer (MoE experts: a row each; routers)."""
     from compress.checkpoints.gguf_source import checkpoint_source
+    from compress.checkpoints.loading import ComputeDtype
     from compress.export.imatrix import ImatrixConfig, run_imatrix
 
     with progress_bars(not as_json) as progress, checkpoint_source(model, progress) as model:
-        result = run_imatrix(ImatrixConfig(model, calib, output, samples, seq_len, 0, process_output, overwrite), progress)
+        config = ImatrixConfig(model, calib, output, samples, seq_len, 0, process_output, overwrite,
+                               compute_dtype=ComputeDtype.parse(compute_dtype))
+        result = run_imatrix(config, progress)
     if as_json:
         print_json(result)
         return

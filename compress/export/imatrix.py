@@ -23,6 +23,7 @@ from typing import Callable
 import numpy as np
 import torch
 
+from compress.checkpoints.loading import ComputeDtype
 from compress.checkpoints.model_io import load_config, open_model, validate_model_dir
 from compress.engine.ranks import Ranks
 from compress.errors import CompressError
@@ -42,6 +43,7 @@ class ImatrixConfig:
     process_output: bool = False
     overwrite: bool = False
     chunk_bytes: int | None = None  # `collect_imatrix`'s
+    compute_dtype: ComputeDtype = ComputeDtype.auto  # the forwards' (`resolve_compute_dtype`)
 
 
 def collect_imatrix(model, windows: torch.Tensor, process_output: bool = False,
@@ -49,9 +51,10 @@ def collect_imatrix(model, windows: torch.Tensor, process_output: bool = False,
                     chunk_bytes: int | None = None) -> dict[str, ImatrixEntry]:
     """Run ``windows`` ([samples, seq_len] token ids) through ``model`` in batches of ``batch_size``; pure apart from
     the hooks it removes. ``chunk_bytes``: fewer windows per batch where a batch's widest activation (the widest hooked
-    layer's input or output, float32) would pass this many bytes, for an allocator that serves a batch's temporaries
-    from its heap (`compress.cli.allocator.CALIBRATED_EXPORT`). Each window's sums are taken on their own (float64,
-    exact squares) and added in window order, so the batching does not change them."""
+    layer's input or output, in the model's dtype) would pass this many bytes, for an allocator that serves a batch's
+    temporaries from its heap (`compress.cli.allocator.CALIBRATED_EXPORT`). Each window's sums are taken on their own
+    (float64, exact squares of the activations in the model's dtype) and added in window order, so the batching does
+    not change them."""
     entries: dict[str, ImatrixEntry] = {}
     hooks = []
     last: list = [None, -1, None]  # the input the latest hook summed, its version and its sums
@@ -104,7 +107,8 @@ def collect_imatrix(model, windows: torch.Tensor, process_output: bool = False,
     forward = model if process_output else model.base_model
     if chunk_bytes is not None and windows.shape[0]:
         widest = max(max(module.weight.shape) for module in hooked)
-        batch_size = max(1, min(batch_size, chunk_bytes // (windows.shape[1] * widest * 4)))
+        element = hooked[0].weight.element_size()
+        batch_size = max(1, min(batch_size, chunk_bytes // (windows.shape[1] * widest * element)))
     try:
         with torch.no_grad():  # not inference mode: its tensors keep no version counter (`squares`)
             for i in range(0, windows.shape[0], batch_size):
@@ -120,7 +124,7 @@ def collect_imatrix(model, windows: torch.Tensor, process_output: bool = False,
 
 def run_imatrix(config: ImatrixConfig, progress: Callable[[str, int, int], None] | None = None) -> dict:
     from compress.checkpoints.calibration import load_calibration
-    from compress.checkpoints.loading import load_model, load_tokenizer
+    from compress.checkpoints.loading import load_model, load_tokenizer, model_dtype, resolve_compute_dtype
 
     if config.output.exists() and not config.overwrite:
         raise CompressError(f"{config.output} exists: pass --overwrite to replace it, or choose another -o")
@@ -129,8 +133,11 @@ def run_imatrix(config: ImatrixConfig, progress: Callable[[str, int, int], None]
     validate_model_dir(config.model)
     if expert_count(load_config(config.model).to_dict()) > 1:  # one nn.Linear per expert, so each expert's inputs are hooked
         model = open_model(config.model).load_remaining()
-    else:
-        model = load_model(config.model, torch.device("cpu")).eval()
+    else:  # a bfloat16 checkpoint's own dtype where the CPU multiplies it natively (llama-imatrix multiplies an F16
+        # file's weights by its activations rounded to float16)
+        stored = model_dtype(load_config(config.model))
+        dtype, _ = resolve_compute_dtype(config.compute_dtype, stored, torch.device("cpu"))
+        model = load_model(config.model, torch.device("cpu"), dtype).eval()
     on_step = (lambda d, t: progress("collecting activations", d, t)) if progress else None
     with Ranks.from_environment() as ranks:  # under a launcher: each process its share of the windows
         if windows.shape[0] < ranks.world:

@@ -127,6 +127,41 @@ def test_run_writes_a_file_and_refuses_to_overwrite(tiny_llama, tmp_path):
     assert "--overwrite" in msg
 
 
+@pytest.mark.parametrize("choice", ["auto", "float32", "bfloat16"])
+def test_a_bfloat16_checkpoint_is_run_in_the_resolved_compute_dtype(tiny_llama, tmp_path, monkeypatch, choice):
+    """`run_imatrix` loads the model in `resolve_compute_dtype`'s choice (auto: the checkpoint's bfloat16 where this
+    CPU multiplies it natively, else float32), and the sums are the textbook squares of blk.0's input within that
+    dtype's rounding of the activations."""
+    from transformers import AutoModelForCausalLM
+
+    from compress.checkpoints import loading
+    from compress.checkpoints.loading import ComputeDtype, resolve_compute_dtype
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.bfloat16)
+    model.save_pretrained(tmp_path / "bf16")
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        if (tiny_llama / name).exists():
+            (tmp_path / "bf16" / name).write_bytes((tiny_llama / name).read_bytes())
+    loaded = []
+    real = loading.load_model
+    monkeypatch.setattr(loading, "load_model", lambda *a, **k: loaded.append(a[2]) or real(*a, **k))
+    out = tmp_path / "im.gguf"
+    run_imatrix(ImatrixConfig(tmp_path / "bf16", CALIB_TEXT, out, samples=2, seq_len=64, compute_dtype=ComputeDtype(choice)))
+    expected_dtype = resolve_compute_dtype(ComputeDtype(choice), torch.bfloat16, torch.device("cpu"))[0]
+    assert loaded == [expected_dtype]
+    entry = read_imatrix(out).entries["blk.0.attn_q.weight"]
+    assert entry.count == 128
+    from compress.checkpoints.calibration import load_calibration
+    from compress.checkpoints.loading import load_tokenizer
+
+    ids = load_calibration(CALIB_TEXT, load_tokenizer(tiny_llama), 2, 64, 0)
+    emb = model.model.embed_tokens.weight.detach().double()[ids.reshape(-1)]
+    norm = model.model.layers[0].input_layernorm
+    x = emb / torch.sqrt((emb * emb).mean(-1, keepdim=True) + norm.variance_epsilon) * norm.weight.detach().double()
+    rtol = 1e-5 if expected_dtype == torch.float32 else 2e-2  # bfloat16 activations: 8 bits, errors of both signs
+    np.testing.assert_allclose(entry.in_sum2, (x * x).sum(0).numpy(), rtol=rtol)
+
+
 def test_reading_something_else_is_a_clear_error(tmp_path):
     bad = tmp_path / "x.gguf"
     bad.write_bytes(b"not a gguf file at all")
