@@ -32,8 +32,9 @@ class GGUFGPTQMethodConfig(SolverConfig):  # block_size is rounded up to whole G
     output_layer: bool = Field(True, description="also solve the output layer (lm_head) on the quantized model's final hidden states")
     tied_output: bool = Field(True, description="with tied embeddings, solve their one GGUF tensor as the output layer "
                                                 "(the lookup then reads GPTQ's rows)")
-    compare_rtn: bool = Field(True, description="also measure ggml's own rounding of each layer, for the summary's comparison "
-                                                "(one more encode per layer: +25-45% of the solve's time on k-quants, 2048 x 2048)")
+    compare_rtn: bool = Field(False, description="also measure ggml's own rounding of each layer, for the summary's comparison "
+                                                 "(one more encode and product by H per layer: +25-45% of the solve's time on "
+                                                 "k-quants, 2048 x 2048; about 5% of SmolLM2's q4_k_m export)")
 
 
 class GGUFGPTQ(HessianMethod):

@@ -46,9 +46,9 @@ def _calls(method, monkeypatch) -> list[int]:
 ])
 def test_stacked_layers_are_each_solved_alone(types, monkeypatch):
     layers, stats = _block()
-    alone = GGUFGPTQ(GGUFGPTQMethodConfig(), types)
+    alone = GGUFGPTQ(GGUFGPTQMethodConfig(compare_rtn=True), types)
     expected = {name: alone.transform_layer(name, layer.weight.detach().float(), stats[name]) for name, layer in layers.items()}
-    method = GGUFGPTQ(GGUFGPTQMethodConfig(), types)
+    method = GGUFGPTQ(GGUFGPTQMethodConfig(compare_rtn=True), types)
     rows = _calls(method, monkeypatch)
     reports = method.transform_block(None, layers, stats)
 
@@ -68,7 +68,7 @@ def test_each_layers_bytes_are_gguf_gptq_of_that_layer():
     """Against the pure algorithm: `gguf_gptq` of each weight alone with the shared H."""
     layers, stats = _block()
     types = dict.fromkeys(layers, GGMLType.Q4_K)
-    method = GGUFGPTQ(GGUFGPTQMethodConfig(), types)
+    method = GGUFGPTQ(GGUFGPTQMethodConfig(compare_rtn=True), types)  # each layer's share of the stack's comparison too
     weights = {name: layer.weight.detach().clone() for name, layer in layers.items()}
     reports = {r.name: r for r in method.transform_block(None, layers, stats)}
     for name in ("q", "k", "v"):
