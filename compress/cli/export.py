@@ -54,10 +54,12 @@ def export_command(
     from dataclasses import replace
 
     from compress.checkpoints.gguf_source import checkpoint_source
+    from compress.checkpoints.loading import ComputeDtype
     from compress.errors import CompressError
     from compress.export.gguf import ExportConfig, GGUFMethod, check_output, export_gguf
     from compress.formats.gguf.plan import Target
 
+    dtype = ComputeDtype.parse(compute_dtype)
     if output_format != "gguf":
         raise CompressError(f"unknown export format {output_format!r}: use --format gguf")
     if rotate_online:
@@ -112,10 +114,9 @@ def export_command(
         if kind.calibrated:
             from compress.export.calibrated import export_calibrated
             from compress.checkpoints.calibration import CalibrationSpec
-            from compress.checkpoints.loading import ComputeDtype
 
             result = export_calibrated(config, kind, CalibrationSpec(path=calib, samples=samples, seq_len=seq_len), progress, device=device,
-                                       compute_dtype=ComputeDtype.parse(compute_dtype), window_chunks=allocator.CALIBRATED_EXPORT.window_chunks,
+                                       compute_dtype=dtype, window_chunks=allocator.CALIBRATED_EXPORT.window_chunks,
                                        **settings)
         else:
             if calib is not None:
@@ -125,10 +126,8 @@ def export_command(
                 from compress.engine.one_pass import CHUNK_BYTES
 
                 chunks = CHUNK_BYTES if allocator.CALIBRATED_EXPORT.window_chunks else None  # batches the heap serves
-                from compress.checkpoints.loading import ComputeDtype
-
-                run_imatrix(ImatrixConfig(model, calib, imatrix, samples, seq_len, chunk_bytes=chunks,
-                                          compute_dtype=ComputeDtype.parse(compute_dtype)), progress)
+                run_imatrix(ImatrixConfig(model, calib, imatrix, samples, seq_len, chunk_bytes=chunks, compute_dtype=dtype),
+                            progress)
             if launched_rank():  # under a launcher the other processes shared the imatrix; rank 0 writes the file
                 return
             source = f"collected from {calib}" if calib is not None else None

@@ -187,6 +187,15 @@ def test_gptq_without_calibration_is_a_clear_error(tmp_path, tiny_llama):
     assert result.stderr.strip() == "error: method gptq needs calibration data: pass --calib PATH"
 
 
+@pytest.mark.parametrize("command", [["export", "--type", "q8_0"], ["export", "--method", "imatrix", "--calib", CALIB_TEXT],
+                                     ["imatrix", "--calib", CALIB_TEXT]])
+def test_a_compute_dtype_that_names_no_choice_is_a_clear_error(tmp_path, tiny_llama, command):
+    out = tmp_path / "out.gguf"
+    result = invoke(command[0], tiny_llama, "-o", out, *command[1:], "--compute-dtype", "fp8")
+    assert result.exit_code == 2 and not out.exists()
+    assert result.stderr.strip() == "error: --compute-dtype fp8: use one of auto, float32, bfloat16, float16"
+
+
 def test_bad_method_option_is_a_clear_error(tmp_path, tiny_llama):
     result = invoke("quantize", tiny_llama, "-o", tmp_path / "o", "-O", "act_order")
     assert result.exit_code == 2 and "is not KEY=VALUE" in result.stderr
