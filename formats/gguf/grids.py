@@ -131,6 +131,11 @@ def _affine_grid(kind: GGMLType, grid: Any, shape: tuple[int, int]) -> BlockGrid
     """The `BlockGrid` of the codec's ``grid`` for blocks of ``shape``: each weight's step and offset, decoded."""
     codec = CODECS[kind]
     lo, hi = codec.CODES
+    affine = getattr(codec, "affine", None)
+    if affine is not None:  # one scale (and minimum) per block: codes 0 and 1 decoded from it, not packed and decoded
+        at_zero, at_one = affine(grid)
+        width = shape[1] // at_zero.shape[1]
+        return BlockGrid(kind, grid, np.repeat(at_one - at_zero, width, axis=1), np.repeat(-at_zero, width, axis=1), lo, hi)
     zeros = np.zeros(shape, dtype=np.int8 if lo < 0 else np.uint8)
     levels = getattr(codec, "LEVELS", None)
     if levels is not None:  # x = step·LEVELS[q]: the step is the decode of the code whose level is 1

@@ -63,6 +63,11 @@ def decode(data: np.ndarray) -> np.ndarray:
     return d * (q.astype(np.int8) - np.int8(8)).astype(F32)
 
 
+def affine(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Decodes of codes 0 and 1 per block ``[N, 1]``, by decode's own operations (`grids.stored`'s step and offset)."""
+    return d * F32(-8), d * F32(-7)
+
+
 def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) -> np.ndarray:
     """`weighted_fit`; its codes are stored as they are."""
     return pack(*weighted_fit(blocks, qw, row_sigma2))

@@ -58,6 +58,11 @@ def decode(data: np.ndarray) -> np.ndarray:
     return d * (q.astype(np.int8) - np.int8(16)).astype(F32)
 
 
+def affine(d: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Decodes of codes 0 and 1 per block ``[N, 1]``, by decode's own operations (`grids.stored`'s step and offset)."""
+    return d * F32(-16), d * F32(-15)
+
+
 def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) -> np.ndarray:
     """``quantize_row_q5_0_impl``: as Q4_0's with nmax 16."""
     return pack(*q4_0.weighted_fit(blocks, qw, row_sigma2, 16))

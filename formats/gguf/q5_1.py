@@ -51,6 +51,12 @@ def decode(data: np.ndarray) -> np.ndarray:
     return d * q.astype(F32) + m
 
 
+def affine(grid: tuple[np.ndarray, np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Decodes of codes 0 and 1 per block ``[N, 1]``, by decode's own operations (`grids.stored`'s step and offset)."""
+    d, m = grid
+    return d * F32(0) + m, d * F32(1) + m
+
+
 def encode_weighted(blocks: np.ndarray, qw: np.ndarray, row_sigma2: np.ndarray) -> np.ndarray:
     """``quantize_row_q5_1_impl``: as Q4_1's with nmax 31."""
     return pack(*q4_1.weighted_fit(blocks, qw, row_sigma2, 31))

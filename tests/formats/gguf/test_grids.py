@@ -36,6 +36,21 @@ def test_any_codes_decode_to_step_times_code_minus_offset(kind):
     assert (grid.step[0] == 0).all()
 
 
+@pytest.mark.parametrize("kind", [k for k in QUANTIZED if hasattr(CODECS[k], "affine")], ids=lambda k: k.name)
+def test_a_legacy_types_step_and_offset_are_the_decodes_of_codes_zero_and_one(kind):
+    """The grid of a type with one scale (and minimum) per block, taken from them (`affine`), has the bits of the
+    decoder's (the format's reference) output for all-zero and all-one codes: step their difference, offset minus
+    the first (negative scales and minimums included: the sign of every zero counts)."""
+    x = blocks_of(kind) * np.where(np.arange(48) % 2, 1, -1).astype(np.float32)[:, None]
+    x[5] += 3.0  # a block of one sign: its minimum is not zero
+    grid = grids.fit(kind, x)
+    zeros = np.zeros(x.shape, dtype=np.int64)
+    at_zero = CODECS[kind].decode(grids.pack(grid, zeros))
+    at_one = CODECS[kind].decode(grids.pack(grid, zeros + 1))
+    assert np.array_equal((at_one - at_zero).view(np.uint32), grid.step.view(np.uint32))
+    assert np.array_equal((-at_zero).view(np.uint32), grid.offset.view(np.uint32))
+
+
 @pytest.mark.parametrize("kind", QUANTIZED, ids=lambda k: k.name)
 def test_fit_and_nearest_codes_reproduce_ggml_rounding(kind):
     """Nearest codes on the encoder's own grid give ggml's bytes (k-quants round to nearest on the
