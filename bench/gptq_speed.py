@@ -10,7 +10,7 @@ inverse Hessian eliminated after every column, no blocks) run in float32 on the 
 the fastest shown (and the slowest beside it), the reference once. ``--gguf TYPE...`` adds GPTQ
 solved in those GGUF block types (`compress.quantizers.gguf_gptq`, CPU: its grid fits are numpy) beside
 ggml's own rounding of the same weight; each is timed alone and with that comparison figure (``compare_rtn``, one more
-encode of the layer, which the export's summary reports by default).
+encode of the layer, which an export's summary reports with ``-O compare_rtn=true``).
 """
 
 from __future__ import annotations
