@@ -16,6 +16,7 @@ from __future__ import annotations
 import ctypes
 import functools
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -64,9 +65,10 @@ def add_upper_gram_bf16_(total: torch.Tensor, windows: torch.Tensor, packed: tor
     x, p, out = windows.data_ptr(), packed.data_ptr(), total.data_ptr()
     rows = count * pairs
     pack_parts = min(threads, max(1, rows // MIN_PACK_PAIRS))
-    _share(pack_parts, lambda a, b: library.gram_pack(a, b, tokens, width, x, p),
-           [(i * rows // pack_parts, (i + 1) * rows // pack_parts) for i in range(pack_parts)])
-    _share(threads, lambda a, b: library.gram_bf16_upper(a, b, count, pairs, width, p, out), balanced_panels(panels, threads))
+    packs = [(i * rows // pack_parts, (i + 1) * rows // pack_parts) for i in range(pack_parts)]
+    with ThreadPoolExecutor(threads - 1) if threads > 1 else nullcontext() as pool:
+        _share(pool, lambda a, b: library.gram_pack(a, b, tokens, width, x, p), packs)
+        _share(pool, lambda a, b: library.gram_bf16_upper(a, b, count, pairs, width, p, out), balanced_panels(panels, threads))
 
 
 def balanced_panels(panels: int, parts: int) -> list[tuple[int, int]]:
@@ -83,15 +85,11 @@ def balanced_panels(panels: int, parts: int) -> list[tuple[int, int]]:
     return [run for run in cuts if run[0] < run[1]]
 
 
-def _share(parts: int, run, runs: list[tuple[int, int]]) -> None:
-    """``run(a, b)`` for each of ``runs``, the first on this thread, the others on helper threads (the compiled
-    loops release the interpreter's lock)."""
-    if parts <= 1 or len(runs) == 1:
-        for a, b in runs:
-            run(a, b)
-        return
-    with ThreadPoolExecutor(len(runs) - 1) as pool:
-        helped = [pool.submit(run, a, b) for a, b in runs[1:]]
-        run(*runs[0])
-        for done in helped:
-            done.result()
+def _share(pool: ThreadPoolExecutor | None, run, runs: list[tuple[int, int]]) -> None:
+    """``run(a, b)`` for each of ``runs``: the first on this thread, the others on ``pool``'s (the compiled loops
+    release the interpreter's lock); no more runs than the pool's threads and this one, and one where there is no
+    pool."""
+    helped = [pool.submit(run, a, b) for a, b in runs[1:]]
+    run(*runs[0])
+    for done in helped:
+        done.result()

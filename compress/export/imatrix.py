@@ -131,12 +131,12 @@ def run_imatrix(config: ImatrixConfig, progress: Callable[[str, int, int], None]
     start = time.perf_counter()
     windows = load_calibration(config.calib, load_tokenizer(config.model), config.samples, config.seq_len, config.seed)
     validate_model_dir(config.model)
-    if expert_count(load_config(config.model).to_dict()) > 1:  # one nn.Linear per expert, so each expert's inputs are hooked
+    model_config = load_config(config.model)
+    if expert_count(model_config.to_dict()) > 1:  # one nn.Linear per expert, so each expert's inputs are hooked
         model = open_model(config.model).load_remaining()
     else:  # a bfloat16 checkpoint's own dtype where the CPU multiplies it natively (llama-imatrix multiplies an F16
         # file's weights by its activations rounded to float16)
-        stored = model_dtype(load_config(config.model))
-        dtype, _ = resolve_compute_dtype(config.compute_dtype, stored, torch.device("cpu"))
+        dtype, _ = resolve_compute_dtype(config.compute_dtype, model_dtype(model_config), torch.device("cpu"))
         model = load_model(config.model, torch.device("cpu"), dtype).eval()
     on_step = (lambda d, t: progress("collecting activations", d, t)) if progress else None
     with Ranks.from_environment() as ranks:  # under a launcher: each process its share of the windows
