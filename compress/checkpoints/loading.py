@@ -12,6 +12,7 @@ from pathlib import Path
 import torch
 
 from compress.errors import CompressError
+from compress.checkpoints.compiled_attention import prefer_compiled_attention
 from compress.checkpoints.model_io import validate_model_dir
 
 log = logging.getLogger(__name__)
@@ -104,10 +105,12 @@ def load_model(path: Path, device: torch.device, dtype: torch.dtype = torch.floa
     if detect_format(json.loads((path / "config.json").read_text())) is not None:
         model = load_packed_model(path, device, dtype, trust_remote_code)  # QuantLinear layers, our own loader
         install_activation_quant(model, getattr(model.config, "compression", None))  # layers left dense
+        prefer_compiled_attention(model)
         return model
     with _quiet_transformers():
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
     install_activation_quant(model, getattr(model.config, "compression", None))
+    prefer_compiled_attention(model)
     return model.to(device).eval()
 
 

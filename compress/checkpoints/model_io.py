@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from compress.checkpoints.compiled_attention import prefer_compiled_attention
 from compress.checkpoints.conversion import CheckpointNames, checkpoint_names
 from compress.checkpoints.experts import router_layers
 from compress.checkpoints.shards import CheckpointReader
@@ -264,6 +265,7 @@ def open_model(path: Path, trust_remote_code: bool = False) -> ModelHandle:
             first = str(exc).strip().splitlines()[0]
             raise CompressError(f"{path} is not a causal language model transformers can build: {first}") from None
     model.eval()
+    prefer_compiled_attention(model)
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     expected = getattr(text_config, "num_hidden_layers", None)
     blocks_name, blocks = find_decoder_blocks(model, expected)
