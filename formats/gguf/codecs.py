@@ -163,8 +163,15 @@ def in_chunks(n: int, block: int, work: Callable[[slice], None], chunk: int = CH
 
 
 def decode_tensor(data: np.ndarray, kind: GGMLType, cols: int) -> np.ndarray:
-    """``[rows, row_bytes]`` uint8 -> ``[rows, cols]`` float32."""
+    """``[rows, row_bytes]`` uint8 -> ``[rows, cols]`` float32; a large tensor's blocks in parts (`in_chunks`), each
+    decoded alone (the decoders are per block: the same values), so that no temporary is the whole tensor's."""
     _, decode = _functions(kind)
     block, size = BLOCK_SIZES[kind]
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, size)
-    return decode(blocks).reshape(-1, cols)
+    out = np.empty((blocks.shape[0], block), dtype=np.float32)
+
+    def work(part: slice) -> None:
+        out[part] = decode(blocks[part])
+
+    in_chunks(blocks.shape[0], block, work, DIRECT_CHUNK_ELEMENTS)
+    return out.reshape(-1, cols)

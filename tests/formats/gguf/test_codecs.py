@@ -72,6 +72,21 @@ def test_decode_is_bit_exact_with_gguf_py_on_random_blocks(kind):
     assert same_bits(ours, ref)
 
 
+@pytest.mark.parametrize("kind", [GGMLType.Q8_0, GGMLType.Q4_K, GGMLType.IQ4_NL], ids=lambda k: k.name)
+def test_a_tensor_decoded_in_parts_on_two_threads_is_bit_exact_with_gguf_py(kind, monkeypatch):
+    from compress.formats.gguf import codecs
+
+    monkeypatch.setattr(codecs, "encoding_cpus", lambda: 2)
+    block, size = BLOCK_SIZES[kind]
+    w = weights(rows=600, cols=2048, seed=4)  # 1.2 M weights: several parts of the decode
+    workers, parts = codecs.plan_parts(w.size // block, block, codecs.DIRECT_CHUNK_ELEMENTS, 2)
+    assert workers == 2 and len(parts) > 2
+    data = encode_tensor(w, kind, np.ones(w.shape[1], dtype=np.float32) if needs_importance(kind) else None)
+    ours = decode_tensor(data, kind, w.shape[1])
+    ref = dequantize(data.copy(), gguf.GGMLQuantizationType(int(kind))).reshape(ours.shape)
+    assert same_bits(ours, ref)
+
+
 @pytest.mark.parametrize("kind", GGUF_PY_ENCODES, ids=lambda k: k.name)
 def test_encode_is_bit_exact_with_gguf_py(kind):
     w = weights()
