@@ -9,20 +9,21 @@ float32 sums and the exponential's last bit differ from torch's kernel, so the o
 now and then, not bit for bit. It is there because torch's bfloat16 attention runs its products in float32 on a CPU
 whose BLAS has no bfloat16 product (MKL on AMD: about a fifth of this loop's rate).
 
-`usable` says where it runs: a CPU with the instructions, the compiled library built (``COMPRESS_NATIVE=0`` asks
-for torch's kernel everywhere), bfloat16 CPU tensors ``query [batch, heads, tokens, dim]`` and ``key``/``value
-[batch, kv_heads, tokens, dim]`` (any strides but a contiguous last dimension), ``dim`` a multiple of 32 up to 256.
+`usable` says where it runs: a CPU with the instructions (`compress.quantizers.gram.cpu_multiplies_bf16`), the
+compiled library built (``COMPRESS_NATIVE=0`` asks for torch's kernel everywhere), bfloat16 CPU tensors ``query
+[batch, heads, tokens, dim]`` and ``key``/``value [batch, kv_heads, tokens, dim]`` (any strides but a contiguous
+last dimension), ``dim`` a multiple of 32 up to 256.
 """
 
 from __future__ import annotations
 
 import ctypes
-import functools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from compress.quantizers import gram
 from compress.quantizers.native import compiled
 
 SOURCE = Path(__file__).parent / "csrc" / "attention.c"
@@ -32,16 +33,10 @@ DIM_STEP, MAX_DIM = 32, 256  # the value loop's 32 dimensions at a time; the pac
 
 
 def _library():
-    library = compiled(SOURCE, SIGNATURES)
-    if library is None or not _supported(library):
-        return None
-    library.attention_bf16_causal.restype = ctypes.c_int
+    library = compiled(SOURCE, SIGNATURES) if gram.cpu_multiplies_bf16() else None
+    if library is not None:
+        library.attention_bf16_causal.restype = ctypes.c_int
     return library
-
-
-@functools.cache
-def _supported(library) -> bool:
-    return bool(library.attention_bf16_supported())
 
 
 def available() -> bool:
@@ -56,7 +51,7 @@ def usable(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor) -> bool:
         return False
     (batch, heads, tokens, dim), kv = query.shape, key.shape
     return (kv == value.shape and kv[0] == batch and kv[2] == tokens and kv[3] == dim and tokens > 0
-            and heads % kv[1] == 0 and dim % DIM_STEP == 0 and dim <= MAX_DIM and _library() is not None)
+            and kv[1] > 0 and heads % kv[1] == 0 and dim % DIM_STEP == 0 and dim <= MAX_DIM and _library() is not None)
 
 
 def causal_attention_bf16(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scale: float) -> torch.Tensor:

@@ -40,6 +40,12 @@ def _supported(library) -> bool:
     return bool(library.gram_bf16_supported())
 
 
+def cpu_multiplies_bf16() -> bool:
+    """Whether this CPU has AVX512-BF16's pair products (and this library is built to ask it): what every compiled
+    bfloat16 loop needs (`compress.kernels.cpu_attention` asks here too)."""
+    return _library() is not None
+
+
 def usable(total: torch.Tensor, windows: torch.Tensor) -> bool:
     """Whether `add_upper_gram_bf16_` runs for these tensors on this machine."""
     width = windows.shape[-1]

@@ -22,25 +22,16 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MR 8
-
-int attention_bf16_supported(void)
-{
-#if defined(__x86_64__) && defined(__GNUC__)
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bf16");
-#else
-    return 0;
-#endif
-}
+#define MR 8  /* query rows per tile; the caller checks the CPU (compress.quantizers.gram's gram_bf16_supported) */
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
 
 #define TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
 
-/* exp(x) for x <= 0 (and -inf -> 0): n = round(x / ln 2), r = x − n ln 2 in two parts, Cephes' expf polynomial
-   for exp(r), times 2^n. Within about an ulp of expf. */
+/* exp(x) for x <= 0: n = round(x / ln 2), r = x − n ln 2 in two parts, Cephes' expf polynomial for exp(r), times
+   2^n. Within about an ulp of expf; below −103 it gives exp(−103), a float32 subnormal that rounds to 0 in bfloat16
+   (masked keys are zeroed by the caller, not by this). */
 TARGET static inline __m512 exp_nonpositive(__m512 x)
 {
     x = _mm512_max_ps(x, _mm512_set1_ps(-103.0f));  /* below, exp rounds to 0 in float32 */
