@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import ctypes
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 
 from compress.quantizers import gram
 from compress.quantizers.native import compiled
+from compress.quantizers.threads import even_runs, share_runs
 
 SOURCE = Path(__file__).parent / "csrc" / "attention.c"
 _I64, _PTR, _F32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -70,13 +72,8 @@ def causal_attention_bf16(query: torch.Tensor, key: torch.Tensor, value: torch.T
 
     units = batch * heads
     parts = max(1, min(torch.get_num_threads(), units))
-    runs = [(i * units // parts, (i + 1) * units // parts) for i in range(parts)]
-    if parts == 1:
-        failed = run(*runs[0])
-    else:
-        with ThreadPoolExecutor(parts - 1) as pool:
-            helped = [pool.submit(run, a, b) for a, b in runs[1:]]
-            failed = run(*runs[0]) + sum(done.result() for done in helped)
+    with ThreadPoolExecutor(parts - 1) if parts > 1 else nullcontext() as pool:
+        failed = sum(share_runs(pool, run, even_runs(units, parts)))
     if failed:
         raise MemoryError("no memory for the attention's buffers")
     return out

@@ -20,7 +20,7 @@ from collections.abc import Iterator
 import torch
 
 from compress.quantizers.native import columns_library
-from compress.quantizers.threads import one_thread, one_thread_workers
+from compress.quantizers.threads import even_runs, one_thread, one_thread_workers
 
 RUNS_PER_THREAD = 4  # runs of rows per thread of a `RowSplit`, taken in turn: a thread that starts late takes fewer
 MIN_ROWS = 256  # rows per thread of the compiled loop below which one thread does it all (a hand-off costs ~10 µs)
@@ -75,7 +75,7 @@ class RowSplit:
 
     def __init__(self, rows: int, parts: int, pool: ThreadPoolExecutor | None):
         count = parts if pool is None or parts == 1 else max(parts, min(parts * RUNS_PER_THREAD, rows // MIN_ROWS))
-        self.splits = [(p * rows // count, (p + 1) * rows // count) for p in range(count)]
+        self.splits = even_runs(rows, count)
         self.parts, self.pool = parts, pool
 
     def __call__(self, run) -> None:

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from compress.quantizers.native import compiled
+from compress.quantizers.threads import even_runs, share_runs
 
 SOURCE = Path(__file__).parent / "csrc" / "gram.c"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
@@ -71,10 +72,9 @@ def add_upper_gram_bf16_(total: torch.Tensor, windows: torch.Tensor, packed: tor
     x, p, out = windows.data_ptr(), packed.data_ptr(), total.data_ptr()
     rows = count * pairs
     pack_parts = min(threads, max(1, rows // MIN_PACK_PAIRS))
-    packs = [(i * rows // pack_parts, (i + 1) * rows // pack_parts) for i in range(pack_parts)]
     with ThreadPoolExecutor(threads - 1) if threads > 1 else nullcontext() as pool:
-        _share(pool, lambda a, b: library.gram_pack(a, b, tokens, width, x, p), packs)
-        _share(pool, lambda a, b: library.gram_bf16_upper(a, b, count, pairs, width, p, out), balanced_panels(panels, threads))
+        share_runs(pool, lambda a, b: library.gram_pack(a, b, tokens, width, x, p), even_runs(rows, pack_parts))
+        share_runs(pool, lambda a, b: library.gram_bf16_upper(a, b, count, pairs, width, p, out), balanced_panels(panels, threads))
 
 
 def balanced_panels(panels: int, parts: int) -> list[tuple[int, int]]:
@@ -89,13 +89,3 @@ def balanced_panels(panels: int, parts: int) -> list[tuple[int, int]]:
             start = q + 1
     cuts.append((start, panels))
     return [run for run in cuts if run[0] < run[1]]
-
-
-def _share(pool: ThreadPoolExecutor | None, run, runs: list[tuple[int, int]]) -> None:
-    """``run(a, b)`` for each of ``runs``: the first on this thread, the others on ``pool``'s (the compiled loops
-    release the interpreter's lock); no more runs than the pool's threads and this one, and one where there is no
-    pool."""
-    helped = [pool.submit(run, a, b) for a, b in runs[1:]]
-    run(*runs[0])
-    for done in helped:
-        done.result()

@@ -1,5 +1,6 @@
-"""`one_thread()`: run a loop of small tensor operations, or a factorization, without intra-op threads; and
-`FixedTileProducts`, matrix products whose bits do not depend on the thread count, on `one_thread_workers`.
+"""`one_thread()`: run a loop of small tensor operations, or a factorization, without intra-op threads;
+`FixedTileProducts`, matrix products whose bits do not depend on the thread count, on `one_thread_workers`; and
+`even_runs` / `share_runs`, a range cut into runs for the compiled loops' threads.
 
 GPTQ's and SparseGPT's column loops apply ~10 operations of a few thousand elements per column. torch splits
 each over its thread pool, and the fork/join per operation costs more than the arithmetic: measured on this
@@ -55,6 +56,20 @@ def one_thread_workers(count: int) -> ThreadPoolExecutor:
     each worker's operations would fork onto every core again (measured on the factor's products: 2 workers ran no
     faster than 1)."""
     return ThreadPoolExecutor(max_workers=max(1, count), initializer=torch.set_num_threads, initargs=(1,))
+
+
+def even_runs(count: int, parts: int) -> list[tuple[int, int]]:
+    """``[0, count)`` cut into ``parts`` contiguous runs ``(start, stop)`` whose lengths differ by at most one."""
+    return [(i * count // parts, (i + 1) * count // parts) for i in range(parts)]
+
+
+def share_runs(pool: ThreadPoolExecutor | None, run, runs: list[tuple[int, int]]) -> list:
+    """``run(a, b)`` for each of ``runs``: the first on this thread, the others on ``pool``'s (compiled loops that
+    release the interpreter's lock); their results in the runs' order. No more runs than the pool's threads and this
+    one, and one where there is no pool."""
+    helped = [pool.submit(run, a, b) for a, b in runs[1:]]
+    first = run(*runs[0])
+    return [first, *(done.result() for done in helped)]
 
 
 class FixedTileProducts:

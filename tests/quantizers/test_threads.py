@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from compress.quantizers.threads import TILE_COLUMNS, TILE_ROWS, FixedTileProducts
+from compress.quantizers.threads import TILE_COLUMNS, TILE_ROWS, FixedTileProducts, even_runs, share_runs
 
 SHAPES = [(37, 128, 37), (5, 128, 16), (5, 128, 100), (300, 128, 100), (3 * TILE_ROWS + 7, 128, TILE_COLUMNS + 45)]
 
@@ -60,3 +60,30 @@ def test_the_thread_count_is_restored():
     with FixedTileProducts(torch.device("cpu")) as product:
         product(a, b)
     assert torch.get_num_threads() == threads
+
+
+@pytest.mark.parametrize("count, parts", [(1, 1), (7, 3), (288, 2), (5, 5), (1000, 7)])
+def test_even_runs_cover_the_range_in_order_with_lengths_one_apart(count, parts):
+    runs = even_runs(count, parts)
+    assert len(runs) == parts and runs[0][0] == 0 and runs[-1][1] == count
+    assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))
+    lengths = [b - a for a, b in runs]
+    assert max(lengths) - min(lengths) <= 1
+
+
+def test_share_runs_gives_every_runs_result_in_order_using_the_pool():
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    seen = {}
+
+    def run(a, b):
+        seen[a] = threading.get_ident()
+        return list(range(a, b))
+
+    with ThreadPoolExecutor(2) as pool:
+        results = share_runs(pool, run, even_runs(9, 3))
+    assert results == [[0, 1, 2], [3, 4, 5], [6, 7, 8]]
+    assert seen[0] == threading.get_ident() and len(seen) == 3  # the first run on this thread
+    assert {seen[3], seen[6]} != {threading.get_ident()}  # the others on the pool's
+    assert share_runs(None, run, [(0, 4)]) == [[0, 1, 2, 3]]
