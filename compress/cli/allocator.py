@@ -41,9 +41,9 @@ STREAMING = AllocatorPolicy(mmap_threshold=4 << 20, trim_threshold=64 << 20)
 # chunk reuses their pages; under FRUGAL each would be a fresh mapping, page-faulted in (3.3 M faults, 7.2 s of system
 # time in GPTQ on SmolLM2's first 8 blocks, 32 x 512 tokens, about a fifth of the run; the heap costs ~0.1-0.2 GB of
 # peak RSS). One arena: glibc gives each thread that allocates a heap of its own. The heap's top keeps up to 512 MB and
-# serves allocations up to 64 MB (see CALIBRATED_EXPORT: `compress quantize --method gptq` of the bfloat16 SmolLM2,
-# 32 x 512 tokens, alternating: 0.78-1.02 M faults -> 0.22-0.24 M, system time 2.7-3.3 -> 1.7-1.8 s, wall 29.8 / 31.1
-# -> 28.9 / 30.6 s, peak RSS 1.01-1.06 -> 1.04-1.10 GB).
+# serves allocations up to 64 MB, as CALIBRATED_EXPORT's: `compress quantize --method gptq` of the bfloat16 SmolLM2,
+# 32 x 512 tokens, alternating, with glibc's trim threshold and a 16 MB mmap threshold / with these: 0.78-1.02 /
+# 0.22-0.24 M faults, system time 2.7-3.3 / 1.7-1.8 s, wall 29.8-31.1 / 28.9-30.6 s, peak RSS 1.01-1.06 / 1.04-1.10 GB.
 CALIBRATING = AllocatorPolicy(mmap_threshold=64 << 20, trim_threshold=512 << 20, arenas=1, window_chunks=True)
 # A calibrated GGUF export (`compress export --method gptq/awq/awq-gptq/autoround`, or imatrix with --calib): the
 # calibration's forward passes are the hot loop, in chunks of windows as under CALIBRATING, then the file's encoding
@@ -51,10 +51,10 @@ CALIBRATING = AllocatorPolicy(mmap_threshold=64 << 20, trim_threshold=512 << 20,
 # 32 x 512 tokens, one thread: under STREAMING (one batch of 32 windows, every MLP temporary a fresh mapping)
 # 9.6 M page faults, 22.6 s of system time of 115 CPU seconds; under this (chunks of 5 windows) 1.2 M and 3.8 s, the
 # same file, peak RSS 1.39 -> 2.11 GB (the chunks' paused forwards, and the heap keeping what they freed). The heap's
-# top keeps up to 512 MB and serves allocations up to 64 MB: with a 64 MB top and a 16 MB threshold, each block's end freed more than the
-# top kept, and the next block faulted its pages in again (bfloat16 SmolLM2, 2 threads, alternating, 3 runs each: 1.0-1.4
-# M faults and 3.3-4.2 s of system time -> 0.42-0.43 M and 2.1-2.3 s; wall 35.1-36.4 -> 33.6-35.3 s; peak RSS 1.69-1.80
-# -> 1.71-1.74 GB).
+# top keeps up to 512 MB and serves allocations up to 64 MB: with a 64 MB top and a 16 MB mmap threshold, each block's
+# end freed more than the top kept, and the next block faulted its pages in again (bfloat16 SmolLM2, 2 threads,
+# alternating, 3 runs each, those settings / these: 1.0-1.4 / 0.42-0.43 M faults, system time 3.3-4.2 / 2.1-2.3 s,
+# wall 35.1-36.4 / 33.6-35.3 s, peak RSS 1.69-1.80 / 1.71-1.74 GB).
 CALIBRATED_EXPORT = AllocatorPolicy(mmap_threshold=64 << 20, trim_threshold=512 << 20, arenas=1, window_chunks=True)
 COMMAND_ALLOCATOR = {"export": STREAMING, "measure": STREAMING}
 
