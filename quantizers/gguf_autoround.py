@@ -35,7 +35,7 @@ blocks are each row's consecutive B columns, as a GGUF tensor's rows hold them);
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
@@ -137,6 +137,6 @@ def gptq_start(weight: torch.Tensor, hessian: torch.Tensor,
     """GPTQ in ``config.kind``'s grids (`compress.quantizers.gguf_gptq.gguf_gptq` of ``weight [out, in]`` on
     ``hessian [in, in]``) as the steps' start: the rounding on the grids GPTQ's bytes are written on, and the weight
     rounded in ``weight``'s place ``[out, in]`` (float32): GPTQ's columns as it rounded them. At ``V = 0`` the codes
-    are GPTQ's."""
-    solved = gguf_gptq(weight, hessian, config)
+    are GPTQ's (so its scales are not refitted after the column loop, which would move them off its codes)."""
+    solved = gguf_gptq(weight, hessian, replace(config, refit_scales=False))
     return GGMLRounding.stored(config.kind, solved.data), solved.rounded

@@ -20,7 +20,10 @@ holds) as the importance of ggml's weighted fit (``weighted_fit``) or ggml's pla
 then rounded to the nearest code of its grid (the nearest codebook level, for the non-uniform types),
 and its error spread over the columns not yet quantized; for a lattice type the group's columns are
 rounded jointly to one grid point (`_round_lattice_block`), then their errors spread column by column.
-The grids and codes are packed into the type's bytes; the result's weight is the decode of those bytes.
+The grids and codes are packed into the type's bytes. With ``refit_scales`` (the default) each block's
+float16 scale and min are then solved on the whole ``H`` with the codes kept (`compress.quantizers.gguf_refit`:
+the grid of a block was fitted before the columns after it were seen). The result's weight is the decode of
+the bytes.
 
 Shapes: ``weight [out, in]`` (``in`` a multiple of B), ``hessian [in, in]``; ``data [out, row_bytes]``
 uint8, the GGUF tensor's rows. The inputs are not modified; runs in float32 on the CPU (the grid fits
@@ -40,6 +43,7 @@ from compress.formats.gguf.codecs import decode_tensor, round_trip
 from compress.formats.gguf.lattice import parity_signs
 from compress.formats.gguf.sizes import GGMLType
 from compress.quantizers.gptq import check_solver_settings, factored_figures, proxy_loss_rows, solver_inputs
+from compress.quantizers.gguf_refit import refit_scales, worth_refitting
 from compress.quantizers.gptq_columns import AffineColumns, affine_steps, feed_error_, lazy_update
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.threads import one_thread
@@ -59,6 +63,8 @@ class GGUFGPTQConfig:
     max_damp_tries: int = 8
     weighted_fit: bool = True  # fit each block's grid with diag(H) as ggml's importance weights
     compare_rtn: bool = True  # also report ``rtn_rel_error``: ggml's own rounding of the weight (one more encode)
+    refit_scales: bool = True  # then each block's float16 scale (and min) solved on the whole H, codes kept (`gguf_refit`;
+    # types below 8 bits a weight)
 
     def __post_init__(self) -> None:
         check_solver_settings(self.block_size, self.damp, self.max_damp_tries)
@@ -176,21 +182,35 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
     importance = floored_importance(diag).numpy() if config.weighted_fit else None
     row_sigma2 = W.square().mean(dim=1, keepdim=True).numpy()  # ggml's legacy types weigh by the row's
 
-    energy_rows = proxy_loss_rows(W, H)  # tr(W H Wᵀ) by row, before the damping
+    refit = config.refit_scales and worth_refitting(kind)
+    # tr(W H Wᵀ) by row, before the damping; the refit needs W·H whole, which gives it
+    weight_h = W @ H if refit else None
+    energy_rows = (weight_h * W).sum(1, dtype=torch.float64) if refit else proxy_loss_rows(W, H)
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H
 
     data, err_rows, rounded = _solve_columns(W, U, kind, B * math.ceil(config.block_size / B), importance, row_sigma2)
 
     Q = torch.from_numpy(decode_tensor(data, kind, cols))
-    stats = {"damp": damp, "lambda": lam, "damp_retries": retries, "dead_columns": int(dead.sum()),
-             **factored_figures(weight, Q, dead, lam, err_rows, energy_rows)}
+    figures = factored_figures(weight, Q, dead, lam, err_rows, energy_rows)
+    if refit:
+        solved = refit_scales(W, hessian, data, kind, weight_h, Q)
+        data, Q = solved.data, solved.weight
+        figures = lowered(figures, solved.gain_rows)
+    stats = {"damp": damp, "lambda": lam, "damp_retries": retries, "dead_columns": int(dead.sum()), **figures}
     if config.compare_rtn:
         W0 = weight.detach().cpu().float()
         rtn_rows = proxy_loss_rows(W0 - torch.from_numpy(round_trip(W0.numpy(), kind)), hessian.detach().cpu().float())
         stats["rtn_error_rows"] = rtn_rows
         stats["rtn_rel_error"] = float(rtn_rows.sum()) / stats["energy"] if stats["energy"] > 0 else 0.0
     return GGUFQuantResult(Q.to(weight.device), data, kind, stats, rounded.to(weight.device))
+
+
+def lowered(figures: dict, gain_rows: torch.Tensor) -> dict:
+    """`factored_figures` with each row's error lowered by ``gain_rows`` (the scale refit's exact gain)."""
+    error_rows = figures["error_rows"] - gain_rows
+    error, energy = float(error_rows.sum()), figures["energy"]
+    return {**figures, "error": error, "rel_error": error / energy if energy > 0 else 0.0, "error_rows": error_rows}
 
 
 def _solve_columns(W: torch.Tensor, U: torch.Tensor, kind: GGMLType, batch: int, importance: np.ndarray | None,

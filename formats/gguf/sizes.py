@@ -70,3 +70,27 @@ def row_bytes(kind: GGMLType, n: int) -> int:
     """Bytes of one stored row of ``n`` elements (``n`` a multiple of the block size)."""
     block, size = BLOCK_SIZES[kind]
     return n // block * size
+
+
+# type -> byte offsets, within each block, of its float16 scale ``d`` and of its float16 min (``dmin``; Q4_1/Q5_1's
+# ``m``), or None where the type stores no min (ggml-common.h's block structs). Every weight of a block decodes
+# linearly in these two: ``x = d·(codes and sub-block scales) + (min field)·(sub-block mins or 1)``.
+SCALE_FIELDS: dict[GGMLType, tuple[int, int | None]] = {
+    GGMLType.Q4_0: (0, None),
+    GGMLType.Q4_1: (0, 2),
+    GGMLType.Q5_0: (0, None),
+    GGMLType.Q5_1: (0, 2),
+    GGMLType.Q8_0: (0, None),
+    GGMLType.Q2_K: (QK_K // 16 + QK_K // 4, QK_K // 16 + QK_K // 4 + 2),
+    GGMLType.Q3_K: (QK_K // 8 + QK_K // 4 + 12, None),
+    GGMLType.Q4_K: (0, 2),
+    GGMLType.Q5_K: (0, 2),
+    GGMLType.Q6_K: (QK_K // 2 + QK_K // 4 + QK_K // 16, None),
+    GGMLType.IQ2_XXS: (0, None),
+    GGMLType.IQ2_XS: (0, None),
+    GGMLType.IQ3_XXS: (0, None),
+    GGMLType.IQ4_NL: (0, None),
+    GGMLType.IQ3_S: (0, None),
+    GGMLType.IQ2_S: (0, None),
+    GGMLType.IQ4_XS: (0, None),
+}

@@ -128,7 +128,7 @@ def test_gptq_start_without_steps_writes_gguf_gptqs_bytes(kind):
     """GPTQ's grids read back from its bytes and its columns as it rounded them: the nearest codes on those grids are
     GPTQ's, byte for byte (the reference: `gguf_gptq`'s own file bytes)."""
     w, xs, _ = _layer(4, width=256 if grids.block_size(kind) == 256 else 512, samples=40)
-    config = GGUFGPTQConfig(kind, compare_rtn=False)
+    config = GGUFGPTQConfig(kind, compare_rtn=False, refit_scales=False)
     want = gguf_gptq(w, _hessian(xs), config)
     rounding, start = gptq_start(w, _hessian(xs), config)
     forward = lambda ws, x: x @ ws["w"].T  # noqa: E731
@@ -146,7 +146,7 @@ def test_steps_from_gptq_move_codes_and_keep_the_output_error_at_most_gptqs(kind
     moves codes (``V`` reaches GPTQ's rounding boundaries), and the kept weight's error, measured here, is at most
     GPTQ's."""
     w, xs, _ = _layer(5, out=8, width=256, samples=48)
-    config = GGUFGPTQConfig(kind, compare_rtn=False)
+    config = GGUFGPTQConfig(kind, compare_rtn=False, refit_scales=False)
     gptq_weight = gguf_gptq(w, _hessian(xs), config).weight
     rounding, start = gptq_start(w, _hessian(xs), config)
     x = torch.cat(xs)

@@ -32,6 +32,8 @@ class GGUFGPTQMethodConfig(SolverConfig):  # block_size is rounded up to whole G
     output_layer: bool = Field(True, description="also solve the output layer (lm_head) on the quantized model's final hidden states")
     tied_output: bool = Field(True, description="with tied embeddings, solve their one GGUF tensor as the output layer "
                                                 "(the lookup then reads GPTQ's rows)")
+    refit_scales: bool = Field(True, description="after the column loop, solve each block's float16 scale (and min) on the "
+                                                "whole Hessian with the codes kept (a few % of the solve)")
     compare_rtn: bool = Field(False, description="also measure ggml's own rounding of each layer, for the summary's comparison "
                                                  "(one more encode and product by H per layer: +25-45% of the solve's time on "
                                                  "k-quants, 2048 x 2048; about 5% of SmolLM2's q4_k_m export)")
@@ -75,7 +77,8 @@ class GGUFGPTQ(HessianMethod):
         """Layers ``names`` (one GGML type) solved as one weight stacked by rows; each one's bytes kept in
         ``encoded``, its figures the sums of its rows'."""
         cfg, kind = self.config, self.types[names[0]]
-        config = GGUFGPTQConfig(kind, cfg.block_size, cfg.damp, weighted_fit=cfg.weighted_fit, compare_rtn=cfg.compare_rtn)
+        config = GGUFGPTQConfig(kind, cfg.block_size, cfg.damp, weighted_fit=cfg.weighted_fit, compare_rtn=cfg.compare_rtn,
+                                refit_scales=cfg.refit_scales)
         solved = {}
 
         def solver(w, h, c):

@@ -107,7 +107,7 @@ def test_gptq_start_without_steps_writes_gptqs_file(tmp_path):
     A few steps change the decoder-block matrices and nothing else."""
     model = truncate_checkpoint(REFERENCE_MODEL, tmp_path / "one-block", blocks=1)
     gptq = export(model, tmp_path / "gptq.gguf", "q4_k_m", "--method", "gptq", *CALIB, "-O", "true_sequential=false",
-                  "-O", "output_layer=false")
+                  "-O", "output_layer=false", "-O", "refit_scales=false")
     start = export(model, tmp_path / "start.gguf", "q4_k_m", "--method", "autoround", *CALIB, "-O", "init=gptq",
                    "-O", "iters=0")
     steps = export(model, tmp_path / "steps.gguf", "q4_k_m", "--method", "autoround", *CALIB, "-O", "init=gptq",
