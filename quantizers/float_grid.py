@@ -140,6 +140,11 @@ class FloatScheme:
         scale still to fit from the whole weight), so row slices of a layer can be quantized apart."""
         return self.block_rows == 1 and (self.grid is not FloatGrid.NVFP4 or self.global_scale is not None)
 
+    @property
+    def free_scales(self) -> bool:
+        """False: FP4's group scales are E4M3 or powers of two, too coarse for a solved factor of a few percent."""
+        return False
+
     def fit(self, w: torch.Tensor) -> "FloatScheme":
         """This scheme with its per-tensor parameters fixed from ``w`` (NVFP4's global scale; kept if set)."""
         if self.grid is not FloatGrid.NVFP4 or self.global_scale is not None:

@@ -42,7 +42,7 @@ from compress.formats.gguf import grids
 from compress.formats.gguf.codecs import decode_tensor, round_trip
 from compress.formats.gguf.lattice import parity_signs
 from compress.formats.gguf.sizes import GGMLType
-from compress.quantizers.gptq import check_solver_settings, factored_figures, proxy_loss_rows, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, factored_figures, lowered, proxy_loss_rows, solver_inputs
 from compress.quantizers.gguf_refit import refit_scales, worth_refitting
 from compress.quantizers.gptq_columns import AffineColumns, affine_steps, feed_error_, lazy_update
 from compress.quantizers.hessian_factor import inverse_hessian_factor
@@ -204,13 +204,6 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
         stats["rtn_error_rows"] = rtn_rows
         stats["rtn_rel_error"] = float(rtn_rows.sum()) / stats["energy"] if stats["energy"] > 0 else 0.0
     return GGUFQuantResult(Q.to(weight.device), data, kind, stats, rounded.to(weight.device))
-
-
-def lowered(figures: dict, gain_rows: torch.Tensor) -> dict:
-    """`factored_figures` with each row's error lowered by ``gain_rows`` (the scale refit's exact gain)."""
-    error_rows = figures["error_rows"] - gain_rows
-    error, energy = float(error_rows.sum()), figures["energy"]
-    return {**figures, "error": error, "rel_error": error / energy if energy > 0 else 0.0, "error_rows": error_rows}
 
 
 def _solve_columns(W: torch.Tensor, U: torch.Tensor, kind: GGMLType, batch: int, importance: np.ndarray | None,

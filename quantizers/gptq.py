@@ -31,7 +31,9 @@ depend on ``block_size`` beyond float rounding.
 
 Options: ``act_order`` processes the columns by decreasing ``diag(H)`` (the reference's
 ``desc_act``) with static groups (every group's grid fixed up front from the original ``W``);
-``mse`` replaces min-max by the clipping search ``grid.mse_qparams``.
+``mse`` replaces min-max by the clipping search ``grid.mse_qparams``; ``refit_scales`` (integer grids) solves each
+group's scale again on the whole ``H`` once every code is fixed (`compress.quantizers.scale_refit`: the group's grid
+was fitted before the columns after it were seen).
 
 Float grids (``float_grid``: FP8, NVFP4, MXFP4) run the same loop: each column is rounded to its group's
 float elements and the error fed back is the same. NVFP4's per-tensor global scale is fixed from ``W``
@@ -48,13 +50,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from compress.quantizers.finite import all_finite
-from compress.quantizers.grid import mse_qparams
+from compress.quantizers.grid import QuantScheme, mse_qparams
 from compress.quantizers.gptq_columns import column_steps
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.result import Grid, QuantResult
+from compress.quantizers.scale_refit import refit_factors
 from compress.quantizers.threads import one_thread
 
 
@@ -71,6 +75,7 @@ class GPTQConfig:
     mse_max_shrink: float = 0.8
     mse_norm: float = 2.4
     max_damp_tries: int = 8  # retries with damp ×10 each time the Cholesky factorization fails
+    refit_scales: bool = True  # after the loop, each group's scale solved on the whole H, codes kept (integer grids)
 
     def __post_init__(self) -> None:
         check_solver_settings(self.block_size, self.damp, self.max_damp_tries)
@@ -182,14 +187,36 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         g_idx = (torch.arange(in_features, device=Qt.device) // width).to(torch.int32)
     Q, codes = Qt.t().contiguous(), codes_t.t().contiguous()
 
-    stats = {
-        "damp": damp,
-        "lambda": lam,
-        "damp_retries": retries,
-        "dead_columns": int(dead.sum()),
-        **factored_figures(weight, Q, dead, lam, err_rows, energy_rows),
-    }
+    figures = factored_figures(weight, Q, dead, lam, err_rows, energy_rows)
+    if config.refit_scales and scheme.free_scales:
+        Q, scale, gain = refit_group_scales(weight, hessian, Q, codes, scale, zero, scheme)
+        figures = lowered(figures, gain)
+    stats = {"damp": damp, "lambda": lam, "damp_retries": retries, "dead_columns": int(dead.sum()), **figures}
     return QuantResult(Q, codes, scale, zero, scheme, g_idx=g_idx, stats=stats)
+
+
+def refit_group_scales(weight: torch.Tensor, hessian: torch.Tensor, Q: torch.Tensor, codes: torch.Tensor,
+                       scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Each group's scale solved again on the whole ``H`` with the codes and zero points kept
+    (`compress.quantizers.scale_refit`; the group's decode ``s·(q − z)`` is linear in ``s``). Returns the decode on
+    the new scales ``[out, in]``, the scales ``[out, n_groups]`` and each row's gain ``[out]`` (float64)."""
+    width = scheme.group_width(Q.shape[1])
+
+    def hold(r0: int, r1: int, wanted: np.ndarray) -> np.ndarray:
+        old = scale[r0:r1].detach().cpu().double().numpy()
+        new = (old * wanted).astype(np.float32).astype(np.float64)  # what float32 scales hold
+        return np.where(old != 0, new / np.where(old != 0, old, 1.0), 1.0)
+
+    factors, gain = refit_factors(weight, hessian, [Q], width, hold)
+    new_scale = (scale.double() * torch.from_numpy(factors).to(scale.device)).float()
+    return scheme.dequantize(codes, new_scale, zero), new_scale, gain.to(Q.device)
+
+
+def lowered(figures: dict, gain_rows: torch.Tensor) -> dict:
+    """`factored_figures` with each row's error lowered by ``gain_rows`` (a scale refit's exact gain)."""
+    error_rows = figures["error_rows"] - gain_rows
+    error, energy = float(error_rows.sum()), figures["energy"]
+    return {**figures, "error": error, "rel_error": error / energy if energy > 0 else 0.0, "error_rows": error_rows}
 
 
 def permuted_square(H: torch.Tensor, perm: torch.Tensor, rows: int = 256) -> torch.Tensor:

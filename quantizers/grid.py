@@ -70,6 +70,12 @@ class QuantScheme:
         """True: each row's grid depends on that row alone, so row slices of a layer can be quantized apart."""
         return True
 
+    @property
+    def free_scales(self) -> bool:
+        """True: a group's scale is stored as a float that can take any value (so GPTQ can solve it again,
+        `compress.quantizers.scale_refit`)."""
+        return True
+
     def fit(self, w: torch.Tensor) -> "QuantScheme":
         """This scheme with its per-tensor parameters fixed from ``w``: the integer grid has none."""
         return self

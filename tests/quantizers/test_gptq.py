@@ -50,7 +50,7 @@ def check_against_reference(res: QuantResult, ref: dict, scheme: QuantScheme) ->
 
 
 def run_both(w, h, scheme: QuantScheme, act_order: bool, block_size: int = 32, damp: float = 0.01):
-    res = gptq(w, h, GPTQConfig(scheme, block_size=block_size, damp=damp, act_order=act_order))
+    res = gptq(w, h, GPTQConfig(scheme, block_size=block_size, damp=damp, act_order=act_order, refit_scales=False))
     ref = reference_obq(
         w, h, scheme.bits, scheme.symmetric, scheme.group_size, damp=damp, act_order=act_order,
         follow=(res.codes, res.zero), tie_tol=TIE_TOL,
@@ -215,7 +215,7 @@ def test_damping_escalation():
     w, h = indefinite_hessian(seed=61)
     assert float(torch.linalg.eigvalsh(h.double())[0]) < -0.2 * float(torch.diagonal(h).mean())
     scheme = QuantScheme(bits=4, symmetric=True, group_size=32)
-    res = gptq(w, h, GPTQConfig(scheme, block_size=16))
+    res = gptq(w, h, GPTQConfig(scheme, block_size=16, refit_scales=False))
     assert res.stats["damp_retries"] > 0 and res.stats["damp"] > 0.01
     assert res.stats["damp"] == pytest.approx(0.01 * 10 ** res.stats["damp_retries"])
     assert res.stats["lambda"] == pytest.approx(res.stats["damp"] * float(torch.diagonal(h).mean()), rel=1e-5)
@@ -262,7 +262,7 @@ def test_mse_grid_in_gptq(gs):
     scheme = QuantScheme(bits=3, symmetric=False, group_size=gs)
     # static grids (act-order, or per channel): exactly the MSE search on the original weight
     for act_order in ([False, True] if gs == -1 else [True]):
-        res = gptq(w, h, GPTQConfig(scheme, act_order=act_order, mse=True, block_size=32))
+        res = gptq(w, h, GPTQConfig(scheme, act_order=act_order, mse=True, block_size=32, refit_scales=False))
         s, z = mse_qparams(w, scheme)
         assert torch.equal(res.scale, s) and torch.equal(res.zero, z)
         ref = reference_obq(w, h, 3, False, gs, act_order=act_order, params=(s, z),
@@ -290,7 +290,7 @@ def test_config_and_shape_validation():
 
 def test_small_layer_and_bf16_weight():
     w, h, _ = correlated_layer(1, 8, 32, seed=2)
-    res = gptq(w.bfloat16(), h, GPTQConfig(QuantScheme(bits=2, symmetric=False, group_size=4), block_size=3))
+    res = gptq(w.bfloat16(), h, GPTQConfig(QuantScheme(bits=2, symmetric=False, group_size=4), block_size=3, refit_scales=False))
     assert res.weight.shape == (1, 8) and torch.isfinite(res.weight).all()
     ref = reference_obq(w.bfloat16(), h, 2, False, 4, follow=(res.codes, res.zero), tie_tol=TIE_TOL)
     check_against_reference(res, ref, QuantScheme(bits=2, symmetric=False, group_size=4))
@@ -344,7 +344,40 @@ def test_full_range_grid_with_uncorrelated_inputs_is_rtn(act_order):
     w, _, _ = correlated_layer(OUT, IN, TOKENS, seed=5)
     h = torch.diag(torch.rand(IN, generator=torch.Generator().manual_seed(1)) + 0.5)
     scheme = QuantScheme(3, True, 32, full_range=True)
-    res, want = gptq(w, h, GPTQConfig(scheme, block_size=32, act_order=act_order)), rtn(w, scheme)
+    res, want = gptq(w, h, GPTQConfig(scheme, block_size=32, act_order=act_order, refit_scales=False)), rtn(w, scheme)
     assert (res.scale < 0).any() and (res.scale > 0).any()
     assert torch.equal(res.codes, want.codes) and torch.equal(res.scale, want.scale)
     torch.testing.assert_close(res.weight, want.weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("scheme", [QuantScheme(3, True, 32), QuantScheme(2, False, 32), QuantScheme(4, True, -1),
+                                    QuantScheme(3, True, 32, full_range=True)], ids=str)
+@pytest.mark.parametrize("act_order", [False, True])
+def test_refit_scales_reach_each_rows_least_squares_optimum(scheme, act_order):
+    """After the loop each group's scale is solved on the whole H (`refit_scales`, the default): the codes and zero
+    points are the loop's, every row's loss is at most the unrefitted one's and at a dense float64 solve's optimum
+    over the groups' scale factors (but for float32 rounding), and the figures are those of the written weight."""
+    w, h, _ = correlated_layer(12, 128, 512, seed=7)
+    plain = gptq(w, h, GPTQConfig(scheme, block_size=32, act_order=act_order, refit_scales=False))
+    res = gptq(w, h, GPTQConfig(scheme, block_size=32, act_order=act_order))
+    assert torch.equal(res.codes, plain.codes) and torch.equal(res.zero, plain.zero)
+    torch.testing.assert_close(res.weight, scheme.dequantize(res.codes, res.scale, res.zero), rtol=0, atol=0)
+    H = h.double()
+    width = scheme.group_width(128)
+
+    def losses(q):
+        e = w.double() - q.double()
+        return ((e @ H) * e).sum(1)
+
+    before, after = losses(plain.weight), losses(res.weight)
+    best = torch.empty(12, dtype=torch.float64)
+    for r in range(12):  # the dense solve: one column of Z per group, the row's decode on that group
+        Z = torch.zeros(128, 128 // width, dtype=torch.float64)
+        for g in range(128 // width):
+            Z[g * width : (g + 1) * width, g] = plain.weight[r, g * width : (g + 1) * width].double()
+        e = w[r].double() - plain.weight[r].double()
+        delta = torch.linalg.lstsq(Z.T @ H @ Z, Z.T @ H @ e).solution
+        best[r] = (e - Z @ delta) @ H @ (e - Z @ delta)
+    assert (after <= before * (1 + 1e-6)).all() and after.sum() < 0.995 * before.sum()
+    assert (after - best <= 1e-5 * before).all() and (after >= best - 1e-6 * before).all(), (after - best) / before
+    assert res.stats["error"] == pytest.approx(float(after.sum()), rel=1e-4)

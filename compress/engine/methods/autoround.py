@@ -130,7 +130,8 @@ class AutoRound(Method):
         """Each layer's act-order GPTQ weight on RTN's grid (relative name -> dequantized ``[out, in]``)."""
         starts = {}
         for rel, full in selected.items():
-            config = GPTQConfig(grids[rel], damp=self.config.damp, act_order=True, mse=False)
+            # GPTQ's codes on RTN's grid: the steps round on that grid, so its scales are not refitted
+            config = GPTQConfig(grids[rel], damp=self.config.damp, act_order=True, mse=False, refit_scales=False)
             try:
                 starts[rel] = gptq(weights[rel], stats[full][Stat.HESSIAN], config).weight
             except ValueError as exc:

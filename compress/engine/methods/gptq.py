@@ -16,6 +16,8 @@ class GPTQMethodConfig(GridQuantConfig, SolverConfig):
     act_order: bool = Field(True, description="process columns by decreasing Hessian diagonal (static groups)")
     # None: on for integer grids (lower KLD on every seed of the reference model and SmolLM2, README), off for float grids
     mse: bool | None = Field(None, description="search each group's clipping range for the lowest weight error (default: on for int grids)")
+    refit_scales: bool = Field(True, description="after the column loop, solve each group's scale on the whole Hessian with the "
+                                                "codes kept (integer grids)")
 
     @model_validator(mode="after")
     def _mse_per_row(self):
@@ -47,7 +49,8 @@ class GPTQ(InputQuantization, HessianMethod):
 
     def solved(self, name, weight, stats) -> LayerOutcome:
         cfg = self.config
-        config = GPTQConfig(cfg.scheme(), block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order, mse=cfg.clipping_search())
+        config = GPTQConfig(cfg.scheme(), block_size=cfg.block_size, damp=cfg.damp, act_order=cfg.act_order, mse=cfg.clipping_search(),
+                            refit_scales=cfg.refit_scales)
         return self.solve(name, gptq, weight, stats, config, ("error", "rel_error", "damp", "damp_retries", "dead_columns"))
 
     def finish(self, name, outcome, stats) -> LayerOutcome:
