@@ -58,7 +58,7 @@ from compress.quantizers.grid import QuantScheme, mse_qparams
 from compress.quantizers.gptq_columns import column_steps
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.result import Grid, QuantResult
-from compress.quantizers.scale_refit import refit_factors
+from compress.quantizers.scale_refit import refit_factors, row_product
 from compress.quantizers.threads import one_thread
 
 
@@ -143,7 +143,10 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         zero = W.new_empty(out_features, n_groups)
         group_of = [j // width for j in range(in_features)]
 
-    energy_rows = proxy_loss_rows(W, H)  # tr(W H Wᵀ) by row: the dead columns of W are zero, H's permutation is W's
+    # tr(W H Wᵀ) by row: the dead columns of W are zero, H's permutation is W's; the refit needs W·H whole, which gives it
+    refit = config.refit_scales and scheme.free_scales
+    weight_h = row_product(W, H) if refit else None
+    energy_rows = (weight_h * W).sum(1, dtype=torch.float64) if refit else proxy_loss_rows(W, H)
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H  # damped in place and no longer needed: free it before the column loop
 
@@ -188,17 +191,21 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
     Q, codes = Qt.t().contiguous(), codes_t.t().contiguous()
 
     figures = factored_figures(weight, Q, dead, lam, err_rows, energy_rows)
-    if config.refit_scales and scheme.free_scales:
-        Q, scale, gain = refit_group_scales(weight, hessian, Q, codes, scale, zero, scheme)
+    if refit:
+        if config.act_order:
+            weight_h = weight_h.index_select(1, inverse)  # W·H's columns back in their order, as W's
+        Q, scale, gain = refit_group_scales(weight, hessian, Q, codes, scale, zero, scheme, weight_h)
         figures = lowered(figures, gain)
     stats = {"damp": damp, "lambda": lam, "damp_retries": retries, "dead_columns": int(dead.sum()), **figures}
     return QuantResult(Q, codes, scale, zero, scheme, g_idx=g_idx, stats=stats)
 
 
 def refit_group_scales(weight: torch.Tensor, hessian: torch.Tensor, Q: torch.Tensor, codes: torch.Tensor,
-                       scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                       scale: torch.Tensor, zero: torch.Tensor, scheme: QuantScheme,
+                       weight_h: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Each group's scale solved again on the whole ``H`` with the codes and zero points kept
-    (`compress.quantizers.scale_refit`; the group's decode ``s·(q − z)`` is linear in ``s``). Returns the decode on
+    (`compress.quantizers.scale_refit`; the group's decode ``s·(q − z)`` is linear in ``s``; ``weight_h``: ``W·H``
+    where the caller has it). Returns the decode on
     the new scales ``[out, in]``, the scales ``[out, n_groups]`` and each row's gain ``[out]`` (float64)."""
     width = scheme.group_width(Q.shape[1])
 
@@ -207,7 +214,7 @@ def refit_group_scales(weight: torch.Tensor, hessian: torch.Tensor, Q: torch.Ten
         new = (old * wanted).astype(np.float32).astype(np.float64)  # what float32 scales hold
         return np.where(old != 0, new / np.where(old != 0, old, 1.0), 1.0)
 
-    factors, gain = refit_factors(weight, hessian, [Q], width, hold)
+    factors, gain = refit_factors(weight, hessian, [Q], width, hold, weight_h)
     new_scale = (scale.double() * torch.from_numpy(factors).to(scale.device)).float()
     return scheme.dequantize(codes, new_scale, zero), new_scale, gain.to(Q.device)
 

@@ -57,7 +57,7 @@ def refit_factors(weight: torch.Tensor, hessian: torch.Tensor, parts: list[torch
     WH = row_product(W, H) if weight_h is None else weight_h.to(device, torch.float32)
     factors = np.ones((rows, P * nb))
     gain = torch.zeros(rows, dtype=torch.float64)
-    step = max(1, PART_BYTES // (4 * cols))
+    step = max(MIN_PRODUCT_ROWS, PART_BYTES // (4 * cols))  # no part padded: wide rows take more than the caches
     parts_of_rows = [(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]  # by the shape alone: the same bits anywhere
 
     def solve(r0: int, r1: int) -> None:
