@@ -142,7 +142,8 @@ class FloatScheme:
 
     @property
     def free_scales(self) -> bool:
-        """False: FP4's group scales are E4M3 or powers of two, too coarse for a solved factor of a few percent."""
+        """False: FP4's group scales are E4M3 or powers of two, too coarse for a solved factor of a few percent (FP8's
+        float scales are not tried)."""
         return False
 
     def fit(self, w: torch.Tensor) -> "FloatScheme":
