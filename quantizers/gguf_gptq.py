@@ -42,7 +42,7 @@ from compress.formats.gguf import grids
 from compress.formats.gguf.codecs import decode_tensor, round_trip
 from compress.formats.gguf.lattice import parity_signs
 from compress.formats.gguf.sizes import GGMLType
-from compress.quantizers.gptq import check_solver_settings, factored_figures, lowered, proxy_loss_rows, solver_inputs
+from compress.quantizers.gptq import check_solver_settings, energy_rows, factored_figures, lowered, proxy_loss_rows, solver_inputs
 from compress.quantizers.gguf_refit import refit_scales, worth_refitting
 from compress.quantizers.gptq_columns import AffineColumns, affine_steps, feed_error_, lazy_update
 from compress.quantizers.hessian_factor import inverse_hessian_factor
@@ -184,15 +184,14 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
 
     refit = config.refit_scales and worth_refitting(kind)
     # tr(W H Wᵀ) by row, before the damping; the refit needs W·H whole, which gives it
-    weight_h = W @ H if refit else None
-    energy_rows = (weight_h * W).sum(1, dtype=torch.float64) if refit else proxy_loss_rows(W, H)
+    energy, weight_h = energy_rows(W, H, refit)
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H
 
     data, err_rows, rounded = _solve_columns(W, U, kind, B * math.ceil(config.block_size / B), importance, row_sigma2)
 
     Q = torch.from_numpy(decode_tensor(data, kind, cols))
-    figures = factored_figures(weight, Q, dead, lam, err_rows, energy_rows)
+    figures = factored_figures(weight, Q, dead, lam, err_rows, energy)
     if refit:
         solved = refit_scales(W, hessian, data, kind, weight_h, Q)
         data, Q = solved.data, solved.weight

@@ -22,7 +22,7 @@ import torch
 
 from compress.formats.gguf.codecs import decode_tensor
 from compress.formats.gguf.sizes import BLOCK_SIZES, SCALE_FIELDS, GGMLType, bits_per_weight
-from compress.quantizers.scale_refit import refit_factors
+from compress.quantizers.scale_refit import held_factors, refit_factors
 
 
 @dataclass(frozen=True)
@@ -67,7 +67,7 @@ def refit_scales(weight: torch.Tensor, hessian: torch.Tensor, data: np.ndarray, 
 
     def hold(r0: int, r1: int, wanted: np.ndarray) -> np.ndarray:
         # the factors the float16 fields can hold: (d·α rounded) / d, 1 where d is 0
-        return np.concatenate([_held(s[r0:r1], wanted[:, k * nb : (k + 1) * nb]) for k, s in enumerate(stored)], 1)
+        return np.concatenate([held_factors(s[r0:r1], wanted[:, k * nb : (k + 1) * nb], np.float16) for k, s in enumerate(stored)], 1)
 
     factors, gain = refit_factors(weight, hessian, parts, B, hold, weight_h)
     out = blocks.copy()
@@ -81,9 +81,3 @@ def _field(blocks: np.ndarray, at: int) -> np.ndarray:
     """The float16 at byte ``at`` of each block ``[rows, nb, size]`` -> float32 ``[rows, nb]``."""
     return np.ascontiguousarray(blocks[:, :, at : at + 2]).view("<f2")[..., 0].astype(np.float32)
 
-
-def _held(stored: np.ndarray, wanted: np.ndarray) -> np.ndarray:
-    """``stored · wanted`` rounded to float16, as a factor of ``stored`` (1 where ``stored`` is 0)."""
-    new = (stored * wanted).astype(np.float16).astype(np.float64)
-    live = (stored != 0) & np.isfinite(new)
-    return np.where(live, new / np.where(live, stored, 1.0), 1.0)

@@ -58,7 +58,7 @@ from compress.quantizers.grid import QuantScheme, mse_qparams
 from compress.quantizers.gptq_columns import column_steps
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.result import Grid, QuantResult
-from compress.quantizers.scale_refit import refit_factors, row_product
+from compress.quantizers.scale_refit import held_factors, refit_factors, row_product
 from compress.quantizers.threads import one_thread
 
 
@@ -145,8 +145,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
 
     # tr(W H Wᵀ) by row: the dead columns of W are zero, H's permutation is W's; the refit needs W·H whole, which gives it
     refit = config.refit_scales and scheme.free_scales
-    weight_h = row_product(W, H) if refit else None
-    energy_rows = (weight_h * W).sum(1, dtype=torch.float64) if refit else proxy_loss_rows(W, H)
+    energy, weight_h = energy_rows(W, H, refit)
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H  # damped in place and no longer needed: free it before the column loop
 
@@ -190,7 +189,7 @@ def gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GPTQConfig) -> Qua
         g_idx = (torch.arange(in_features, device=Qt.device) // width).to(torch.int32)
     Q, codes = Qt.t().contiguous(), codes_t.t().contiguous()
 
-    figures = factored_figures(weight, Q, dead, lam, err_rows, energy_rows)
+    figures = factored_figures(weight, Q, dead, lam, err_rows, energy)
     if refit:
         if config.act_order:
             weight_h = weight_h.index_select(1, inverse)  # W·H's columns back in their order, as W's
@@ -210,9 +209,7 @@ def refit_group_scales(weight: torch.Tensor, hessian: torch.Tensor, Q: torch.Ten
     width = scheme.group_width(Q.shape[1])
 
     def hold(r0: int, r1: int, wanted: np.ndarray) -> np.ndarray:
-        old = scale[r0:r1].detach().cpu().double().numpy()
-        new = (old * wanted).astype(np.float32).astype(np.float64)  # what float32 scales hold
-        return np.where(old != 0, new / np.where(old != 0, old, 1.0), 1.0)
+        return held_factors(scale[r0:r1].detach().cpu().double().numpy(), wanted, np.float32)
 
     factors, gain = refit_factors(weight, hessian, [Q], width, hold, weight_h)
     new_scale = (scale.double() * torch.from_numpy(factors).to(scale.device)).float()
@@ -285,6 +282,15 @@ def proxy_loss_rows(delta: torch.Tensor, H: torch.Tensor) -> torch.Tensor:
             products.addmm_(delta[:, e:], H[e:, k:e], alpha=2)
         total += products.mul_(block).sum(dim=1)
     return total
+
+
+def energy_rows(W: torch.Tensor, H: torch.Tensor, with_product: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``tr(W H Wᵀ)`` of each row (float64 ``[out]``) and, with ``with_product``, ``W·H`` ``[out, in]`` (float32), which
+    a scale refit needs whole and which then gives the energy; without it, the half product of `proxy_loss_rows`."""
+    if not with_product:
+        return proxy_loss_rows(W, H), None
+    weight_h = row_product(W, H)
+    return (weight_h * W).sum(1, dtype=torch.float64), weight_h
 
 
 def proxy_loss(delta: torch.Tensor, H: torch.Tensor) -> float:

@@ -115,3 +115,11 @@ def row_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     if rows >= MIN_PRODUCT_ROWS:
         return a @ b
     return (torch.cat([a, a.new_zeros(MIN_PRODUCT_ROWS - rows, a.shape[1])]) @ b)[:rows]
+
+
+def held_factors(stored: np.ndarray, wanted: np.ndarray, dtype: np.dtype) -> np.ndarray:
+    """``stored · wanted`` rounded to the storage ``dtype``, as a factor of ``stored`` (1 where ``stored`` is 0 or the
+    product does not fit): what a `Hold` returns."""
+    new = (stored * wanted).astype(dtype).astype(np.float64)
+    live = (stored != 0) & np.isfinite(new)
+    return np.where(live, new / np.where(live, stored, 1.0), 1.0)
