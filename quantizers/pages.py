@@ -7,6 +7,11 @@ most distributions' default; with ``always`` the mark changes nothing, with ``ne
 2-core EPYC, two threads: the 176 MB that RTN of a 14336 x 4096 bfloat16 layer writes (byte codes and values) took
 51 ms to fault in and fill, 12-15 ms marked. Where the mark cannot be made (not Linux, no libc), the buffer is an
 ordinary one: the values never depend on it.
+
+A large buffer, once every tensor on it is gone, is kept (`Reuse`) and handed to the next request of its size instead
+of a fresh mapping: the kernel zeroes every page it maps, huge or not, and a model's layers ask for the same few sizes
+block after block (RTN of an 8B-shaped model: 8 GB of byte codes, 16 GB of read weights). The kept buffers are
+bounded (`KEPT_BYTES`); what a caller gets holds whatever was last written there, as `torch.empty`'s may.
 """
 
 from __future__ import annotations
@@ -14,12 +19,48 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
+import threading
+import weakref
 
+import numpy as np
 import torch
 
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # <sys/mman.h>
 SMALLEST = 4 * HUGE_PAGE  # smaller buffers may come from the heap's reused pages: nothing to gain
+ALIGN = 64  # torch.empty's alignment
+KEPT_BYTES = 1 << 30  # at most this many bytes of unused buffers are kept for reuse (an 8B layer's bf16 weight: 117 MB)
+
+
+class Reuse:
+    """Unused large buffers by size, up to ``limit`` bytes in all: `take` one of a size, `keep` one no tensor uses.
+    The allocator's own free lists stop at its mmap threshold (at most 32 MB on 64-bit glibc): above it every buffer
+    is a fresh mapping. Thread-safe (buffers come back from whichever thread drops their last tensor)."""
+
+    def __init__(self, limit: int = KEPT_BYTES):
+        self.limit, self.held = limit, 0
+        self._free: dict[int, list[np.ndarray]] = {}
+        self._lock = threading.Lock()
+
+    def take(self, size: int) -> np.ndarray | None:
+        with self._lock:
+            kept = self._free.get(size)
+            if not kept:
+                if self.held + size > self.limit:  # a new working set (a model's outer tensors after its blocks):
+                    self._free.clear()  # the kept buffers would only add to its memory
+                    self.held = 0
+                return None
+            self.held -= size
+            return kept.pop()
+
+    def keep(self, buffer: np.ndarray) -> None:
+        with self._lock:
+            if self.held + buffer.nbytes <= self.limit:
+                self._free.setdefault(buffer.nbytes, []).append(buffer)
+                self.held += buffer.nbytes
+
+
+REUSE = Reuse()  # the process's kept buffers: like the allocator's free lists, a cache of memory, not a setting
 
 
 @functools.cache
@@ -34,15 +75,32 @@ def _madvise():
     return madvise
 
 
-def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype) -> torch.Tensor:
-    """``torch.empty(shape, dtype=dtype)`` on the CPU, its whole huge pages marked for transparent huge pages when it
-    is large (`SMALLEST` bytes or more). Only a hint: a refused mark leaves an ordinary buffer."""
-    tensor = torch.empty(shape, dtype=dtype)
-    size = tensor.numel() * tensor.element_size()
-    madvise = _madvise() if size >= SMALLEST else None
-    if madvise is not None:
-        start = -(-tensor.data_ptr() // HUGE_PAGE) * HUGE_PAGE  # the huge pages wholly inside the buffer
-        end = (tensor.data_ptr() + size) // HUGE_PAGE * HUGE_PAGE
-        if end > start:
-            madvise(start, end - start, MADV_HUGEPAGE)  # its result is not needed: a refusal leaves 4 KB pages
-    return tensor
+def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, reuse: Reuse = REUSE) -> torch.Tensor:
+    """``torch.empty(shape, dtype=dtype)`` on the CPU. A large one (`SMALLEST` bytes or more) is a buffer of that size
+    no tensor uses any more, where ``reuse`` keeps one, else a new one with its whole huge pages marked for transparent
+    huge pages (only a hint: a refused mark leaves an ordinary buffer); it goes back to ``reuse`` once every tensor
+    on it is gone."""
+    size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    if size < SMALLEST:
+        return torch.empty(shape, dtype=dtype)
+    buffer = reuse.take(size)
+    if buffer is None:
+        whole = np.empty(size + ALIGN, np.uint8)
+        skip = -whole.ctypes.data % ALIGN  # aligned as torch's own buffers are
+        buffer = whole[skip : skip + size]
+        _mark(buffer.ctypes.data, size)
+    handle = buffer.view()  # the tensor's own array: it lives as long as any tensor on the buffer (`torch.from_numpy`)
+    finalizer = weakref.finalize(handle, reuse.keep, buffer)
+    finalizer.atexit = False
+    return torch.from_numpy(handle).view(dtype).view(shape)
+
+
+def _mark(begin: int, size: int) -> None:
+    """Mark the huge pages wholly inside ``[begin, begin + size)``."""
+    madvise = _madvise()
+    if madvise is None:
+        return
+    start = -(-begin // HUGE_PAGE) * HUGE_PAGE
+    end = (begin + size) // HUGE_PAGE * HUGE_PAGE
+    if end > start:
+        madvise(start, end - start, MADV_HUGEPAGE)  # its result is not needed: a refusal leaves 4 KB pages

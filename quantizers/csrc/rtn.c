@@ -4,12 +4,14 @@
    For each (row, group) with scale s and zero point z (computed by the caller as compress.quantizers.grid computes
    them), each weight's code q = clamp(rint(w / s) + z, 0, M) and its value (q - z) * s: grid.quantize's and
    grid.dequantize's operations in their order (the correctly rounded division, rint, sum, clamp; then difference
-   and product; -ffp-contract=off), so the same bits. Beside them each row's sums of w**2 and (w - value)**2 in double,
-   in column order. torch takes ~11 passes over the weight for these; here it is read once. A bfloat16 weight is
-   widened as it is read (its bits are the upper half of the float32 it stands for), with no float32 copy, and its
-   values are written rounded to bfloat16. Codes are bytes (every integer grid has at most 8 bits): with values in
-   the weight's dtype, 3 bytes are written per bfloat16 weight, each on a fresh page the kernel zeroes; int32 codes
-   and float32 values would be 8 (64 GB of fresh pages for an 8B model).
+   and product; -ffp-contract=off), so the same bits. Beside them each row's sums of w**2 and (w - value)**2 in
+   double, in LANES partial sums (column j's terms in sum j % LANES, each in column order, then the partial sums in
+   order): one running sum would wait on each addition; LANES of them are a vector's lanes. torch takes ~11 passes over
+   the weight for these; here it is read once. A bfloat16 weight is widened as it is read (its bits are the upper half
+   of the float32 it stands for), with no float32 copy, and its values are written rounded to bfloat16. Codes are
+   bytes (every integer grid has at most 8 bits): with values in the weight's dtype, 3 bytes are written per bfloat16
+   weight where int32 codes and float32 values would be 8 (64 GB for an 8B model, on pages the kernel zeroes unless a
+   buffer is reused, `compress.quantizers.pages`).
 
    Rows are independent: a call works on rows [r0, r1) only. */
 
@@ -34,6 +36,7 @@ static inline float load(const void *w, int64_t i, int bf16)
 }
 
 #define STRIP 256
+#define LANES 8  /* partial sums of a row, each over every LANES-th column: the sums vectorize */
 
 /* A float32 value as bfloat16, rounded to nearest even (torch's conversion, for the finite values written here). */
 static inline uint16_t bf16_bits(float f)
@@ -55,7 +58,8 @@ static inline __attribute__((always_inline)) void rtn_rows(int64_t r0, int64_t r
     const int64_t in = groups * width;
     float exact[STRIP];  /* a strip of a group's float32 values */
     for (int64_t r = r0; r < r1; r++) {
-        double e = 0.0, d = 0.0;
+        double e[LANES] = {0.0}, d[LANES] = {0.0};  /* column j's terms go to lane j % LANES */
+        int64_t lane = 0;
         for (int64_t g = 0; g < groups; g++) {
             const float s = scale[r * groups + g], z = zero[r * groups + g];
             for (int64_t j0 = 0; j0 < width; j0 += STRIP) {
@@ -67,10 +71,18 @@ static inline __attribute__((always_inline)) void rtn_rows(int64_t r0, int64_t r
                     codes[at + j] = (uint8_t)q;
                     exact[j] = (q - z) * s;
                 }
-                for (int64_t j = 0; j < n; j++) {
+                int64_t j = 0;
+                if (lane == 0)
+                    for (; j + LANES <= n; j += LANES)
+                        for (int l = 0; l < LANES; l++) {
+                            const double a = load(w, at + j + l, bf16), b = a - (double)exact[j + l];
+                            e[l] += a * a;
+                            d[l] += b * b;
+                        }
+                for (; j < n; j++, lane = (lane + 1) % LANES) {
                     const double a = load(w, at + j, bf16), b = a - (double)exact[j];
-                    e += a * a;
-                    d += b * b;
+                    e[lane] += a * a;
+                    d[lane] += b * b;
                 }
                 if (bf16)  /* the strip of w is read: values may be w itself */
                     for (int64_t j = 0; j < n; j++)
@@ -79,8 +91,13 @@ static inline __attribute__((always_inline)) void rtn_rows(int64_t r0, int64_t r
                     memcpy((float *)values + at, exact, n * sizeof(float));
             }
         }
-        energy[r] = e;
-        error[r] = d;
+        double te = 0.0, td = 0.0;
+        for (int l = 0; l < LANES; l++) {
+            te += e[l];
+            td += d[l];
+        }
+        energy[r] = te;
+        error[r] = td;
     }
 }
 

@@ -30,3 +30,29 @@ def test_without_the_mark_the_buffer_is_an_ordinary_one(monkeypatch):
     monkeypatch.setattr(pages, "_madvise", lambda: None)
     t = pages.empty((4096, 4096), torch.float32)
     assert t.shape == (4096, 4096) and t.dtype == torch.float32
+
+
+def test_a_large_buffer_is_reused_only_once_no_tensor_uses_it():
+    reuse = pages.Reuse()
+    a = pages.empty((3000, 4096), torch.bfloat16, reuse)
+    begin = a.data_ptr()
+    assert begin % pages.ALIGN == 0
+    view = a[10:20]
+    del a
+    assert reuse.held == 0  # a view still uses it
+    b = pages.empty((3000, 4096), torch.bfloat16, reuse)
+    assert b.data_ptr() != begin
+    del view
+    assert reuse.held == 3000 * 4096 * 2
+    c = pages.empty((6000, 4096), torch.uint8, reuse)  # the same size in bytes, any dtype
+    assert c.data_ptr() == begin and reuse.held == 0 and c.shape == (6000, 4096) and c.dtype == torch.uint8
+    c.fill_(3)
+    assert bool((c == 3).all())
+
+
+def test_kept_buffers_are_bounded():
+    reuse = pages.Reuse(limit=3 * pages.SMALLEST)
+    tensors = [pages.empty((pages.SMALLEST,), torch.uint8, reuse) for _ in range(5)]
+    del tensors
+    assert reuse.held == 3 * pages.SMALLEST
+    assert reuse.take(pages.SMALLEST) is not None and reuse.take(pages.SMALLEST + 1) is None

@@ -184,20 +184,46 @@ def test_gguf_files_carry_a_sidecar_manifest_and_their_provenance(tmp_path, tiny
         verify(out)
 
 
-def test_digests_read_in_many_chunks_are_the_whole_files_and_tensors(tmp_path, monkeypatch):
-    """The file's digest is taken on a helper thread, chunk by chunk, beside each tensor's: with chunks much smaller
-    than the tensors (and tensors not aligned to them) both are still hashlib's digests of the same bytes."""
+def test_digests_in_many_windows_are_the_whole_files_and_tensors(tmp_path, monkeypatch):
+    """The file's digest is taken on a helper thread, window by window, beside each tensor's: with windows much
+    smaller than the tensors (and tensors not aligned to them) both are still hashlib's digests of the same bytes."""
+    import mmap
+
     import torch
     from safetensors.torch import save_file
 
     from compress.checkpoints import integrity
 
     path = tmp_path / "model.safetensors"
-    save_file({f"t{i}": torch.randn(1000 + 37 * i) for i in range(6)}, str(path))
-    monkeypatch.setattr(integrity, "CHUNK", 1000)
+    save_file({f"t{i}": torch.randn(3000 + 37 * i) for i in range(6)}, str(path))
+    monkeypatch.setattr(integrity, "WINDOW", mmap.ALLOCATIONGRANULARITY)  # the smallest a mapping's offset allows
     entry = integrity.file_entry(path)
     data = path.read_bytes()
     assert entry["sha256"] == hashlib.sha256(data).hexdigest() and entry["bytes"] == len(data)
     for name, tensor in entry["tensors"].items():
         span = data[tensor["offset"] : tensor["offset"] + tensor["bytes"]]
         assert tensor["sha256"] == hashlib.sha256(span).hexdigest(), name
+
+
+def test_digests_of_spans_across_the_mapped_windows_equal_hashlib_over_the_bytes(tmp_path, monkeypatch):
+    """The file's digest and each span's, hashed window by window from the mapped file, against hashlib over the
+    file's bytes: spans inside a window, across a boundary, empty ones, and ones the file ends inside or before."""
+    import hashlib
+    import mmap
+    import os
+
+    from compress.checkpoints import integrity
+
+    monkeypatch.setattr(integrity, "WINDOW", 16 * mmap.ALLOCATIONGRANULARITY)
+    w = integrity.WINDOW
+    data = os.urandom(4 * w + 1)
+    path = tmp_path / "x.bin"
+    path.write_bytes(data)
+    for spans in ([(0, 10, "a"), (w - 6, w + 4400, "b"), (w + 4400, w + 4400, "e"), (w + 5000, 4 * w + 1, "c"), (4 * w + 1, 4 * w + 1, "z")],
+                  [(0, w, "a"), (w, 2 * w, "b"), (4 * w - 10, 6 * w, "late")], [(5 * w, 5 * w + 10, "after")], []):
+        whole, tensors = integrity._digests(path, spans)
+        assert whole == hashlib.sha256(data).hexdigest()
+        assert tensors == {n: hashlib.sha256(data[b:e]).hexdigest() if e <= len(data) else None for b, e, n in spans}
+    assert integrity.sha256_file(path) == hashlib.sha256(data).hexdigest()
+    (tmp_path / "empty").write_bytes(b"")
+    assert integrity._digests(tmp_path / "empty", [(0, 0, "e"), (0, 5, "x")]) == (hashlib.sha256().hexdigest(), {"e": hashlib.sha256().hexdigest(), "x": None})
