@@ -10,8 +10,11 @@ ordinary one: the values never depend on it.
 
 A large buffer, once every tensor on it is gone, is kept (`Reuse`) and handed to the next request of its size instead
 of a fresh mapping: the kernel zeroes every page it maps, huge or not, and a model's layers ask for the same few sizes
-block after block (RTN of an 8B-shaped model: 8 GB of byte codes, 16 GB of read weights). The kept buffers are
-bounded (`KEPT_BYTES`); what a caller gets holds whatever was last written there, as `torch.empty`'s may.
+block after block (RTN of an 8B-shaped model: 8 GB of byte codes, 16 GB of read weights). How much is kept is the
+process owner's setting, as the allocator's are (the CLI's policy, `compress.cli.allocator`): none unless set, since
+kept buffers serve only their own size, where a heap that keeps freed memory serves every request (GPTQ on the 8B
+shapes, whose heap keeps 512 MB: peak RSS 9.09 GB with 1 GiB kept here, 8.87 GB with none). What a caller gets holds whatever was
+last written there, as `torch.empty`'s may.
 """
 
 from __future__ import annotations
@@ -19,48 +22,17 @@ from __future__ import annotations
 import ctypes
 import functools
 import sys
-import threading
 import weakref
 
 import numpy as np
 import torch
 
+from compress.quantizers.reuse import REUSE, Reuse
+
 HUGE_PAGE = 2 << 20
 MADV_HUGEPAGE = 14  # <sys/mman.h>
 SMALLEST = 4 * HUGE_PAGE  # smaller buffers may come from the heap's reused pages: nothing to gain
 ALIGN = 64  # torch.empty's alignment
-KEPT_BYTES = 1 << 30  # at most this many bytes of unused buffers are kept for reuse (an 8B layer's bf16 weight: 117 MB)
-
-
-class Reuse:
-    """Unused large buffers by size, up to ``limit`` bytes in all: `take` one of a size, `keep` one no tensor uses.
-    The allocator's own free lists stop at its mmap threshold (at most 32 MB on 64-bit glibc): above it every buffer
-    is a fresh mapping. Thread-safe (buffers come back from whichever thread drops their last tensor)."""
-
-    def __init__(self, limit: int = KEPT_BYTES):
-        self.limit, self.held = limit, 0
-        self._free: dict[int, list[np.ndarray]] = {}
-        self._lock = threading.Lock()
-
-    def take(self, size: int) -> np.ndarray | None:
-        with self._lock:
-            kept = self._free.get(size)
-            if not kept:
-                if self.held + size > self.limit:  # a new working set (a model's outer tensors after its blocks):
-                    self._free.clear()  # the kept buffers would only add to its memory
-                    self.held = 0
-                return None
-            self.held -= size
-            return kept.pop()
-
-    def keep(self, buffer: np.ndarray) -> None:
-        with self._lock:
-            if self.held + buffer.nbytes <= self.limit:
-                self._free.setdefault(buffer.nbytes, []).append(buffer)
-                self.held += buffer.nbytes
-
-
-REUSE = Reuse()  # the process's kept buffers: like the allocator's free lists, a cache of memory, not a setting
 
 
 @functools.cache

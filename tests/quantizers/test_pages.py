@@ -33,7 +33,7 @@ def test_without_the_mark_the_buffer_is_an_ordinary_one(monkeypatch):
 
 
 def test_a_large_buffer_is_reused_only_once_no_tensor_uses_it():
-    reuse = pages.Reuse()
+    reuse = pages.Reuse(limit=1 << 30)
     a = pages.empty((3000, 4096), torch.bfloat16, reuse)
     begin = a.data_ptr()
     assert begin % pages.ALIGN == 0

@@ -67,6 +67,31 @@ def test_the_calibrating_heap_keeps_a_blocks_freed_temporaries_for_the_next_bloc
     assert heap_mb("frugal") < 20  # 40 MB buffers are mappings of their own there, unmapped when freed
 
 
+REUSED = """
+import sys
+import torch
+from compress.cli.allocator import CALIBRATING, FRUGAL, set_allocator
+from compress.quantizers import pages
+set_allocator({"frugal": FRUGAL, "calibrating": CALIBRATING}[sys.argv[1]])
+first = pages.empty((40 << 20,), torch.uint8)
+address = first.data_ptr()
+del first  # no tensor uses the buffer any more
+kept = pages.REUSE.held
+print(kept, pages.empty((40 << 20,), torch.uint8).data_ptr() == address, pages.REUSE.limit)
+"""
+
+
+def test_only_the_data_free_policy_reuses_large_buffers():
+    """Under FRUGAL a freed 40 MB buffer is the next one of its size (no fresh pages to zero); under CALIBRATING none is
+    kept (its heap keeps freed memory for every size)."""
+    def reused(policy: str) -> str:
+        return subprocess.run([sys.executable, "-c", REUSED, policy], capture_output=True, text=True, check=True).stdout.split()
+
+    assert reused("frugal") == [str(40 << 20), "True", str(allocator.FRUGAL.reused_bytes)]
+    assert allocator.FRUGAL.reused_bytes >= 40 << 20
+    assert reused("calibrating")[::2] == ["0", "0"]  # (the heap may still hand the same address back)
+
+
 @pytest.mark.parametrize("command, policy", [("export", "STREAMING"), ("measure", "STREAMING"), ("quantize", "FRUGAL"), ("inspect", "FRUGAL")])
 def test_each_command_runs_under_its_policy(monkeypatch, command, policy):
     applied = []
