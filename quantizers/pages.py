@@ -13,8 +13,8 @@ of a fresh mapping: the kernel zeroes every page it maps, huge or not, and a mod
 block after block (RTN of an 8B-shaped model: 8 GB of byte codes, 16 GB of read weights). How much is kept is the
 process owner's setting, as the allocator's are (the CLI's policy, `compress.cli.allocator`): none unless set, since
 kept buffers serve only their own size, where a heap that keeps freed memory serves every request (GPTQ on the 8B
-shapes, whose heap keeps 512 MB: peak RSS 9.09 GB with 1 GiB kept here, 8.87 GB with none). What a caller gets holds whatever was
-last written there, as `torch.empty`'s may.
+shapes, whose heap keeps 512 MB: peak RSS 9.09 GB with 1 GiB kept here, 8.85-8.95 GB with none). What a caller gets
+holds whatever was last written there, as `torch.empty`'s may.
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def empty(shape: tuple[int, ...] | torch.Size, dtype: torch.dtype, reuse: Reuse 
     no tensor uses any more, where ``reuse`` keeps one, else a new one with its whole huge pages marked for transparent
     huge pages (only a hint: a refused mark leaves an ordinary buffer); it goes back to ``reuse`` once every tensor
     on it is gone."""
-    size = int(np.prod(shape, dtype=np.int64)) * torch.empty((), dtype=dtype).element_size()
+    size = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
     if size < SMALLEST:
         return torch.empty(shape, dtype=dtype)
     buffer = reuse.take(size)

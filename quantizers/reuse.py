@@ -15,7 +15,8 @@ if TYPE_CHECKING:
 
 class Reuse:
     """Unused large buffers by size, up to ``limit`` bytes in all: `take` one of a size, `keep` one no tensor uses.
-    The allocator's own free lists stop at its mmap threshold: above it every buffer is a fresh mapping. Thread-safe (buffers come back from whichever thread drops their last tensor)."""
+    The allocator's own free lists stop at its mmap threshold: above it every buffer is a fresh mapping. Thread-safe
+    (buffers come back from whichever thread drops their last tensor)."""
 
     def __init__(self, limit: int = 0):
         self.limit, self.held = limit, 0

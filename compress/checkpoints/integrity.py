@@ -25,6 +25,7 @@ import hashlib
 import json
 import mmap
 import os
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
@@ -99,14 +100,14 @@ def _digests(path: Path, spans: list[tuple[int, int, str]]) -> tuple[str, dict[s
     file's digest runs on a helper thread beside the tensors' (hashlib releases the interpreter's lock), window by
     window in order."""
     whole, tensors = hashlib.sha256(), {}
-    pending = sorted(spans)
+    pending = deque(sorted(spans))  # the spans not begun, in file order
     open_parts: dict = {}  # name -> (begin, end, its hash so far): the spans begun and not ended
     with path.open("rb") as f, ThreadPoolExecutor(1) as helper:
         for offset, window in _windows(f):
             hashing = helper.submit(whole.update, window)
             end_of_window = offset + len(window)
             while pending and pending[0][0] < end_of_window:
-                begin, end, name = pending.pop(0)
+                begin, end, name = pending.popleft()
                 open_parts[name] = (begin, end, hashlib.sha256())
             for name, (begin, end, part) in list(open_parts.items()):
                 part.update(window[max(begin, offset) - offset : min(end, end_of_window) - offset])
@@ -115,7 +116,7 @@ def _digests(path: Path, spans: list[tuple[int, int, str]]) -> tuple[str, dict[s
                     del open_parts[name]
             hashing.result()  # before the window is unmapped
     size = path.stat().st_size
-    unfinished = [(begin, end, name) for name, (begin, end, _) in open_parts.items()] + pending
+    unfinished = [(begin, end, name) for name, (begin, end, _) in open_parts.items()] + list(pending)
     for begin, end, name in unfinished:  # the file ends inside these or before them, unless empty
         tensors[name] = hashlib.sha256().hexdigest() if begin == end <= size else None
     return whole.hexdigest(), tensors
