@@ -51,10 +51,10 @@ def refit_factors(weight: torch.Tensor, hessian: torch.Tensor, parts: list[torch
         raise ValueError(f"rows of {cols} values do not split into blocks of {block}")
     nb, P = cols // block, len(parts)
     device = weight.device
-    W = weight.detach().float()
     H = hessian.detach().to(device, torch.float32)
     parts = [p.detach().to(device, torch.float32) for p in parts]
-    WH = row_product(W, H) if weight_h is None else weight_h.to(device, torch.float32)
+    # the weight itself only for W·H: a float32 copy of a bfloat16 layer is made only where the caller has no W·H
+    WH = row_product(weight.detach().float(), H) if weight_h is None else weight_h.to(device, torch.float32)
     factors = np.ones((rows, P * nb))
     gain = torch.zeros(rows, dtype=torch.float64)
     step = max(MIN_PRODUCT_ROWS, PART_BYTES // (4 * cols))  # no part padded: wide rows take more than the caches

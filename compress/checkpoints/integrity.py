@@ -62,10 +62,9 @@ def sha256_file(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _windows(f) -> Iterator[tuple[int, memoryview]]:
-    """Each `WINDOW` of the open file ``f`` as ``(offset, bytes)``, mapped read-only for sequential reading; a window
-    is unmapped once the next is asked for (hold no view of it past that)."""
-    size = os.fstat(f.fileno()).st_size
+def _windows(f, size: int) -> Iterator[tuple[int, memoryview]]:
+    """Each `WINDOW` of the first ``size`` bytes of the open file ``f`` as ``(offset, bytes)``, mapped read-only for
+    sequential reading; a window is unmapped once the next is asked for (hold no view of it past that)."""
     for offset in range(0, size, WINDOW):
         with mmap.mmap(f.fileno(), min(WINDOW, size - offset), access=mmap.ACCESS_READ, offset=offset) as mapped:
             if hasattr(mapped, "madvise"):
@@ -103,7 +102,8 @@ def _digests(path: Path, spans: list[tuple[int, int, str]]) -> tuple[str, dict[s
     pending = deque(sorted(spans))  # the spans not begun, in file order
     open_parts: dict = {}  # name -> (begin, end, its hash so far): the spans begun and not ended
     with path.open("rb") as f, ThreadPoolExecutor(1) as helper:
-        for offset, window in _windows(f):
+        size = os.fstat(f.fileno()).st_size
+        for offset, window in _windows(f, size):
             hashing = helper.submit(whole.update, window)
             end_of_window = offset + len(window)
             while pending and pending[0][0] < end_of_window:
@@ -115,7 +115,6 @@ def _digests(path: Path, spans: list[tuple[int, int, str]]) -> tuple[str, dict[s
                     tensors[name] = part.hexdigest()
                     del open_parts[name]
             hashing.result()  # before the window is unmapped
-    size = path.stat().st_size
     unfinished = [(begin, end, name) for name, (begin, end, _) in open_parts.items()] + list(pending)
     for begin, end, name in unfinished:  # the file ends inside these or before them, unless empty
         tensors[name] = hashlib.sha256().hexdigest() if begin == end <= size else None
