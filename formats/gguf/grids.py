@@ -81,6 +81,11 @@ def is_lattice(kind: GGMLType) -> bool:
     return hasattr(CODECS.get(kind), "codebook")
 
 
+def has_codebook(kind: GGMLType) -> bool:
+    """True for the types whose codes index a non-uniform codebook of levels (IQ4_NL, IQ4_XS)."""
+    return getattr(CODECS.get(kind), "LEVELS", None) is not None
+
+
 def is_block_quantized(kind: GGMLType) -> bool:
     """True for the types with codes and grids (not F32/F16/BF16)."""
     return hasattr(CODECS.get(kind), "CODES") or is_lattice(kind)

@@ -8,6 +8,7 @@ import torch
 
 from compress.formats.gguf.codecs import CODECS, decode_tensor, encode_tensor, needs_importance
 from compress.formats.gguf.sizes import BLOCK_SIZES, GGMLType, row_bytes
+from compress.quantizers import gguf_gptq as gguf_gptq_module
 from compress.quantizers.gguf_gptq import GGUFGPTQConfig, gguf_gptq
 from references import correlated_layer
 
@@ -181,3 +182,31 @@ def test_dead_columns_and_bad_inputs():
         gguf_gptq(w[:, :96], h[:96, :96], GGUFGPTQConfig(G.Q4_K))
     with pytest.raises(ValueError, match="no quantization grid"):
         GGUFGPTQConfig(G.F16)
+
+
+@pytest.mark.parametrize("kind", [G.Q5_0, G.Q4_K, G.IQ2_XS], ids=lambda k: k.name)
+def test_rows_cut_between_threads_have_the_bytes_of_each_part_solved_alone(kind, monkeypatch):
+    """Given H, each row's GPTQ depends on that row alone: the layer solved with its rows cut between two threads
+    (`row_parts`, forced on a small layer) has the bytes of its two halves each solved alone on one thread."""
+    w, h, _ = correlated_layer(24, 512, 2048, seed=6)
+    config = GGUFGPTQConfig(kind, block_size=64)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        halves = [gguf_gptq(part, h, config) for part in (w[:12], w[12:])]
+        torch.set_num_threads(2)
+        monkeypatch.setattr(gguf_gptq_module, "SPLIT_ELEMENTS", 1)
+        assert gguf_gptq_module.row_parts(24, kind, 2) == 2
+        whole = gguf_gptq(w, h, config)
+    finally:
+        torch.set_num_threads(threads)
+    assert np.array_equal(whole.data, np.concatenate([half.data for half in halves]))
+    torch.testing.assert_close(whole.weight, torch.cat([half.weight for half in halves]), rtol=0, atol=0)
+
+
+def test_codebook_types_and_narrow_layers_keep_one_thread():
+    assert gguf_gptq_module.row_parts(3072, G.Q5_0, 2) == 2
+    assert gguf_gptq_module.row_parts(576, G.Q4_K, 2) == 2
+    assert gguf_gptq_module.row_parts(576, G.Q5_0, 2) == 1  # 576 x 32 weights a block column: under SPLIT_ELEMENTS
+    assert gguf_gptq_module.row_parts(3072, G.Q5_0, 1) == 1
+    assert gguf_gptq_module.row_parts(3072, G.IQ4_NL, 2) == 1 and gguf_gptq_module.row_parts(3072, G.IQ4_XS, 2) == 1
