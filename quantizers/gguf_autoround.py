@@ -138,5 +138,5 @@ def gptq_start(weight: torch.Tensor, hessian: torch.Tensor,
     ``hessian [in, in]``) as the steps' start: the rounding on the grids GPTQ's bytes are written on, and the weight
     rounded in ``weight``'s place ``[out, in]`` (float32): GPTQ's columns as it rounded them. At ``V = 0`` the codes
     are GPTQ's (so its scales are not refitted after the column loop, which would move them off its codes)."""
-    solved = gguf_gptq(weight, hessian, replace(config, refit_scales=False))
+    solved = gguf_gptq(weight, hessian, replace(config, refit_scales=False, keep_rounded=True))
     return GGMLRounding.stored(config.kind, solved.data), solved.rounded

@@ -43,7 +43,7 @@ from compress.formats.gguf.codecs import decode_tensor, round_trip
 from compress.formats.gguf.lattice import parity_signs
 from compress.formats.gguf.sizes import GGMLType
 from compress.quantizers.gptq import check_solver_settings, energy_rows, factored_figures, lowered, proxy_loss_rows, solver_inputs
-from compress.quantizers.gguf_refit import refit_scales, worth_refitting
+from compress.quantizers.gguf_refit import ScaleRefit, refit_scales, worth_refitting
 from compress.quantizers.gptq_columns import AffineColumns, affine_steps, feed_error_, lazy_update
 from compress.quantizers.hessian_factor import inverse_hessian_factor
 from compress.quantizers.threads import even_runs, one_thread, one_thread_workers, share_runs
@@ -72,6 +72,7 @@ class GGUFGPTQConfig:
     compare_rtn: bool = True  # also report ``rtn_rel_error``: ggml's own rounding of the weight (one more encode)
     refit_scales: bool = True  # then each block's float16 scale (and min) solved on the whole H, codes kept (`gguf_refit`;
     # types below 8 bits a weight)
+    keep_rounded: bool = False  # also return ``rounded`` (GPTQ's columns as rounded: AutoRound's start), one more [out, in]
 
     def __post_init__(self) -> None:
         check_solver_settings(self.block_size, self.damp, self.max_damp_tries)
@@ -85,7 +86,7 @@ class GGUFQuantResult:
     data: np.ndarray  # [out, row_bytes] uint8 in ``kind``'s block layout
     kind: GGMLType
     stats: dict = field(default_factory=dict)
-    # [out, in] float32: GPTQ's columns as they were rounded (the error feedback of the columns before in them): an
+    # [out, in] float32, with ``keep_rounded``: GPTQ's columns as they were rounded (the error feedback of the columns before in them): an
     # affine grid's codes are their nearest
     rounded: torch.Tensor | None = None
 
@@ -195,21 +196,22 @@ def gguf_gptq(weight: torch.Tensor, hessian: torch.Tensor, config: GGUFGPTQConfi
     U, damp, lam, retries = inverse_hessian_factor(H, config.damp, config.max_damp_tries)
     del H
 
-    data, err_rows, rounded = _solve_rows(W, U, kind, B * math.ceil(config.block_size / B), importance, row_sigma2)
-
-    Q = torch.from_numpy(decode_tensor(data, kind, cols))
-    figures = factored_figures(weight, Q, dead, lam, err_rows, energy)
-    if refit:
-        solved = refit_scales(W, hessian, data, kind, weight_h, Q)
-        data, Q = solved.data, solved.weight
-        figures = lowered(figures, solved.gain_rows)
+    batch = B * math.ceil(config.block_size / B)
+    undamped = hessian.detach().to(W.device, torch.float32) if refit else None  # the refit's (no copy of a CPU float32 H)
+    rows = _solve_rows(W, U, kind, batch, importance, row_sigma2, undamped, weight_h, config.keep_rounded)
+    figures = factored_figures(weight, rows.decoded, dead, lam, rows.err_rows, energy)
+    data, Q = rows.data, rows.decoded
+    if rows.refit is not None:
+        data, Q = rows.refit.data, rows.refit.weight
+        figures = lowered(figures, rows.refit.gain_rows)
     stats = {"damp": damp, "lambda": lam, "damp_retries": retries, "dead_columns": int(dead.sum()), **figures}
     if config.compare_rtn:
         W0 = weight.detach().cpu().float()
         rtn_rows = proxy_loss_rows(W0 - torch.from_numpy(round_trip(W0.numpy(), kind)), hessian.detach().cpu().float())
         stats["rtn_error_rows"] = rtn_rows
         stats["rtn_rel_error"] = float(rtn_rows.sum()) / stats["energy"] if stats["energy"] > 0 else 0.0
-    return GGUFQuantResult(Q.to(weight.device), data, kind, stats, rounded.to(weight.device))
+    rounded = rows.rounded.to(weight.device) if config.keep_rounded else None
+    return GGUFQuantResult(Q.to(weight.device), data, kind, stats, rounded)
 
 
 def row_parts(rows: int, kind: GGMLType, threads: int) -> int:
@@ -222,19 +224,41 @@ def row_parts(rows: int, kind: GGMLType, threads: int) -> int:
     return max(1, min(threads, rows * grids.block_size(kind) // SPLIT_ELEMENTS))
 
 
+@dataclass(frozen=True)
+class _SolvedRows:
+    data: np.ndarray  # [rows, row_bytes] the column loop's bytes
+    err_rows: torch.Tensor  # [rows] float64 (`_solve_columns`)
+    rounded: torch.Tensor | None  # [rows, in] each column's values when rounded, where kept
+    decoded: torch.Tensor  # [rows, in] float32, the decode of ``data``
+    refit: ScaleRefit | None  # the scales solved again on the whole H (`refit_scales`), where asked
+
+
 def _solve_rows(W: torch.Tensor, U: torch.Tensor, kind: GGMLType, batch: int, importance: np.ndarray | None,
-                row_sigma2: np.ndarray) -> tuple[np.ndarray, torch.Tensor, torch.Tensor]:
-    """`_solve_columns` with ``W``'s rows cut into runs (`row_parts`), each run's whole loop on one thread of its own:
-    given ``U`` each row's codes, grids and errors depend on that row alone, so the bytes are those of the loop
-    over every row (tests/quantizers/test_gguf_gptq.py), and the threads meet once instead of at every step."""
+                row_sigma2: np.ndarray, hessian: torch.Tensor | None, weight_h: torch.Tensor | None,
+                keep_rounded: bool) -> _SolvedRows:
+    """`_solve_columns`, the decode of its bytes, and with ``hessian`` their scales refitted (`refit_scales`, ``weight_h``
+    ``W·H``), with ``W``'s rows cut into runs (`row_parts`), each run's whole work on one thread of its own: given
+    ``U`` and ``H`` each row's codes, grids, errors and scales depend on that row alone, so the bytes are those of
+    the work over every row (tests/quantizers/test_gguf_gptq.py), and the threads meet once instead of at every step."""
+
+    def solve(a: int, b: int) -> _SolvedRows:
+        data, err_rows, rounded = _solve_columns(W[a:b], U, kind, batch, importance, row_sigma2[a:b])
+        decoded = torch.from_numpy(decode_tensor(data, kind, W.shape[1]))
+        refit = None if hessian is None else refit_scales(W[a:b], hessian, data, kind, weight_h[a:b], decoded)
+        return _SolvedRows(data, err_rows, rounded if keep_rounded else None, decoded, refit)
+
     rows = W.shape[0]
     parts = row_parts(rows, kind, torch.get_num_threads()) if W.device.type == "cpu" else 1
     if parts == 1:
-        return _solve_columns(W, U, kind, batch, importance, row_sigma2)
+        return solve(0, rows)
     with one_thread(W.device), one_thread_workers(parts - 1) as pool:  # every step inside on its run's thread alone
-        solved = share_runs(pool, lambda a, b: _solve_columns(W[a:b], U, kind, batch, importance, row_sigma2[a:b]),
-                            even_runs(rows, parts))
-    return np.concatenate([s[0] for s in solved]), torch.cat([s[1] for s in solved]), torch.cat([s[2] for s in solved])
+        runs = share_runs(pool, solve, even_runs(rows, parts))
+    refits = [run.refit for run in runs]
+    refit = None if hessian is None else ScaleRefit(np.concatenate([r.data for r in refits]),
+                                                   torch.cat([r.weight for r in refits]), torch.cat([r.gain_rows for r in refits]))
+    return _SolvedRows(np.concatenate([run.data for run in runs]), torch.cat([run.err_rows for run in runs]),
+                       torch.cat([run.rounded for run in runs]) if keep_rounded else None,
+                       torch.cat([run.decoded for run in runs]), refit)
 
 
 def _solve_columns(W: torch.Tensor, U: torch.Tensor, kind: GGMLType, batch: int, importance: np.ndarray | None,

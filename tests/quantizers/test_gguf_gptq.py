@@ -210,3 +210,13 @@ def test_codebook_types_and_narrow_layers_keep_one_thread():
     assert gguf_gptq_module.row_parts(576, G.Q5_0, 2) == 1  # 576 x 32 weights a block column: under SPLIT_ELEMENTS
     assert gguf_gptq_module.row_parts(3072, G.Q5_0, 1) == 1
     assert gguf_gptq_module.row_parts(3072, G.IQ4_NL, 2) == 1 and gguf_gptq_module.row_parts(3072, G.IQ4_XS, 2) == 1
+
+
+def test_the_rounded_columns_are_kept_only_when_asked_and_round_to_the_written_codes():
+    w, h, _ = correlated_layer(16, 256, 1024, seed=7)
+    assert gguf_gptq(w, h, GGUFGPTQConfig(G.Q8_0)).rounded is None
+    res = gguf_gptq(w, h, GGUFGPTQConfig(G.Q8_0, keep_rounded=True))
+    d = res.data.reshape(16, 8, 34)[:, :, :2].copy().view("<f2")[..., 0].astype(np.float32)  # each block's step
+    step = torch.from_numpy(np.repeat(d, 32, axis=1))
+    assert res.rounded.shape == (16, 256)
+    assert bool(((res.rounded - res.weight).abs() <= step / 2 * (1 + 1e-5)).all())  # each column's nearest code
