@@ -43,7 +43,9 @@ from compress.engine.block_engine import Engine, Stage
 from compress.engine.ranks import Ranks
 from compress.errors import CompressError
 from compress.checkpoints.loading import ComputeDtype, load_tokenizer, model_dtype, resolve_compute_dtype, resolve_device
-from compress.export.gguf import ExportConfig, ExportResult, GGUFMethod, check_importance, check_output, export_gguf
+from compress.checkpoints.background import Background
+from compress.export.gguf import (ExportConfig, ExportResult, GGUFMethod, check_importance, check_output, export_gguf,
+                                  recorded_inputs)
 from compress.export.gguf_tensors import tensor_plan
 from compress.export.gguf_arch import read_config
 from compress.formats.gguf.grids import is_block_quantized
@@ -166,6 +168,7 @@ def export_calibrated(
                      or method.learns and (autoround is None or autoround.weighted_fit))
     # recorded in the file: the AWQ path exports a scaled copy, so the source is named here
     config = replace(config, source=config.source or config.model, method=method.value, calibration=calibration.model_dump(mode="json"))
+    inputs = Background(lambda: recorded_inputs(config), "input digests")  # on a core the imports leave idle
     handle = open_model(config.model)
     stored = layer_types(config.model, config)  # by on-disk name; the engine's layers by module name (Mixtral's differ)
     blocks = [handle.block_name(i) for i in range(len(handle.blocks))]
@@ -220,7 +223,7 @@ def export_calibrated(
         return ExportResult(config.output, config.target.value, handle.config.model_type, seconds=time.perf_counter() - start)
     if not method.scales:  # only the encoded layers change: read the rest from the input
         run = run_engine(DiscardingWriter())  # GPTQ's product is its encoded bytes
-        result = export_gguf(config, progress, encoded=encoded_by_disk_name())
+        result = export_gguf(config, progress, encoded=encoded_by_disk_name(), inputs=inputs, model_checked=True)
     else:  # the scaled checkpoint, written next to the output and exported from there
         config.output.parent.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=config.output.parent, prefix=f".{config.output.name}.awq-{os.getpid()}-") as scratch:
@@ -229,7 +232,7 @@ def export_calibrated(
             writer.close()
             copy_side_files(config.model, Path(scratch))
             write_config(config.model, Path(scratch), {"stages": [stage.method.record() for stage in stages]})
-            result = export_gguf(replace(config, model=Path(scratch)), progress, encoded=encoded_by_disk_name())
+            result = export_gguf(replace(config, model=Path(scratch)), progress, encoded=encoded_by_disk_name(), inputs=inputs)
     result.notes.append(f"calibrated with {method.value} on {calibration.samples} x {calibration.seq_len} tokens of {calibration.path.name}")
     gains = [np.log(r.info["rtn_rel_error"] / r.info["rel_error"]) for r in run.layers if r.info.get("rel_error") and "rtn_rel_error" in r.info]
     if gains:

@@ -162,18 +162,26 @@ def permute_rope(w: torch.Tensor, n_head: int) -> torch.Tensor:
 PROVENANCE_KEY = "llm_compress.record"  # JSON: tool version, command, settings, SHA-256 of the inputs
 
 
-def provenance(config: ExportConfig) -> dict:
-    """What made the file, as `compress.run` records it in config.json: known before any tensor is written,
-    so it is embedded in the GGUF metadata; no clock time, so the same command writes the same bytes."""
-    calibration = dict(config.calibration) if config.calibration else None
+def recorded_inputs(config: ExportConfig) -> dict:
+    """The SHA-256 of the export's inputs for its record (`run_inputs`): the source model's files, the calibration
+    text, a given imatrix."""
+    calibration = config.calibration or {}
     texts = {
-        "calibration": Path(calibration["path"]) if calibration and calibration.get("path") else None,
+        "calibration": Path(calibration["path"]) if calibration.get("path") else None,
         "imatrix": config.imatrix if config.imatrix_source is None else None,  # a collected one is a scratch file
     }
+    return run_inputs(config.source or config.model, **texts)
+
+
+def provenance(config: ExportConfig, inputs: dict | None = None) -> dict:
+    """What made the file, as `compress.run` records it in config.json: known before any tensor is written,
+    so it is embedded in the GGUF metadata; no clock time, so the same command writes the same bytes. ``inputs``:
+    `recorded_inputs`, where the caller has hashed them already."""
+    calibration = dict(config.calibration) if config.calibration else None
     return {
         "tool": "llm-compress", "tool_version": __version__, "source_model": str(config.source or config.model),
         "type": config.target.value, "method": config.method, "calibration": calibration,
-        "inputs": run_inputs(config.source or config.model, **texts), **({"command": config.command} if config.command else {}),
+        "inputs": recorded_inputs(config) if inputs is None else inputs, **({"command": config.command} if config.command else {}),
     }
 
 
@@ -248,19 +256,23 @@ def export_gguf(
     config: ExportConfig,
     progress: Callable[[str, int, int], None] | None = None,
     encoded: Mapping[str, tuple[GGMLType, np.ndarray]] | None = None,
+    inputs: Background | None = None,
+    model_checked: bool = False,
 ) -> ExportResult:
     """Write ``config.model`` as a GGUF file at ``config.output``; see the module docstring.
 
     ``encoded``: HF layer name (without ``.weight``) -> (type, ``[out, row_bytes]`` bytes) to write as
-    they are; each must have the type the plan gives that tensor."""
+    they are; each must have the type the plan gives that tensor. ``inputs``: `recorded_inputs` hashing since the
+    caller's start (`Background`). ``model_checked``: the caller has opened ``config.model`` with `open_model`
+    (whose check of config.json against the weights this then skips)."""
     start = time.perf_counter()
     hf = read_config(config.model)
     check_output(config)
     # config.json's sizes against the weights' shapes (transformers' model of the config on the meta device: ~2.7 s
     # of imports in a fresh process, 10% of a TinyLlama-sized export), checked while the first tensors are encoded
-    check = Background(lambda: open_model(config.model), "config check")
+    check = Background(lambda: None if model_checked else open_model(config.model), "config check")
     try:
-        result = _write(config, hf, encoded or {}, progress, check)
+        result = _write(config, hf, encoded or {}, progress, check, inputs)
     except CompressError:
         check.result()  # a config that disagrees with the weights is the cause to name, whatever it broke first
         raise
@@ -269,7 +281,8 @@ def export_gguf(
 
 
 def _write(config: ExportConfig, hf: dict, encoded: Mapping[str, tuple[GGMLType, np.ndarray]],
-           progress: Callable[[str, int, int], None] | None, check: Background) -> ExportResult:
+           progress: Callable[[str, int, int], None] | None, check: Background,
+           inputs: Background | None) -> ExportResult:
     """`export_gguf`'s file, written while ``check`` runs: its failure stops the export (no output left)."""
     import gguf
 
@@ -283,7 +296,8 @@ def _write(config: ExportConfig, hf: dict, encoded: Mapping[str, tuple[GGMLType,
     result = ExportResult(out, config.target.value, arch)
     with _guarded_output(out, config.overwrite) as finish, atomic_gguf_writer(out, arch, finish) as writer:
         add_metadata(writer, arch, hf, file_type(config, entries))
-        writer.add_string(PROVENANCE_KEY, json.dumps(provenance(config), sort_keys=True))
+        record = provenance(config, inputs.result() if inputs is not None else None)
+        writer.add_string(PROVENANCE_KEY, json.dumps(record, sort_keys=True))
         vocab = add_vocab(writer, config.model, hf["vocab_size"])
         result.notes.extend(vocab.notes)
         if imatrix is not None:  # the keys llama-quantize records

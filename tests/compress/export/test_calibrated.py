@@ -67,6 +67,23 @@ def test_gptq_file_has_the_plan_and_solves_every_linear_layer(q3k_files):
     assert any("below ggml's rounding" in note for note in result.notes)
 
 
+def test_gptq_file_records_the_digests_of_its_inputs(q3k_files):
+    """The record's SHA-256 of the model's files and the calibration text (hashed beside the calibration), by hashlib."""
+    import hashlib
+    import json
+
+    from gguf import GGUFReader
+
+    from compress.export.gguf import PROVENANCE_KEY
+
+    field = GGUFReader(str(q3k_files[1])).fields[PROVENANCE_KEY]
+    record = json.loads(bytes(field.parts[field.data[0]]).decode())
+    files = sorted(p for p in REFERENCE_MODEL.iterdir() if p.is_file() and not p.name.startswith("."))
+    assert record["inputs"]["model"]["sha256"] == {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    assert record["inputs"]["calibration"]["sha256"] == {CALIB_TEXT.name: hashlib.sha256(CALIB_TEXT.read_bytes()).hexdigest()}
+    assert record["method"] == "gptq" and record["calibration"]["samples"] == CALIBRATION.samples
+
+
 def test_gptq_file_beats_ggml_rounding_for_the_consumer(q3k_files, scorer):
     """GPTQ's error feedback (and the output layer solved on the final hidden states) must show in the
     consumer's next-token distributions, not only in the per-layer objective."""
