@@ -3,7 +3,8 @@
     python bench/autoround_quality.py [--model /tmp/smollm2] [--blocks N] [--bits 4 3 2] [--group-size 64]
                                       [--iters 200] [--batch-size 8] [--calib FILE --samples 32 --seq-len 512]
                                       [--text FILE --max-tokens 4096] [--threads 2] [--amp | --no-amp]
-                                      [--set KEY=VALUE ...] [--gguf q4_k_m q3_k_m [--ours autoround gptq ...]]
+                                      [--set KEY=VALUE ...] [--seeds 0 1 2 3]
+                                      [--gguf q4_k_m q3_k_m [--ours autoround gptq ...]]
 
 For each bit width, symmetric integer weights in groups of ``--group-size``: our ``compress quantize --method
 autoround -O iters=N -O batch_size=B`` and auto-round (``AutoRound(..., iters=N, batch_size=B)`` then
@@ -20,7 +21,9 @@ perplexity). This process imports neither torch nor ours (the truncated copy and
 model. auto-round compiles its block forward with ``torch.compile`` from 10 iters on (its default), and inductor's
 cache (``/tmp/torchinductor_$USER``) makes its later runs start faster than its first: clear it, or run once before
 timing. ``--blocks N`` runs both on a copy of the model truncated to its first N blocks. Prints one row per tool and
-bit width, and ours / auto-round ratios.
+bit width, and ours / auto-round ratios. ``--seeds S ...``: each tool once per seed (ours ``-O seed=S``, auto-round's
+``seed=S``: the order in which each draws its mini-batches), a row per tool, seed and bit width, then each tool's
+median KLD and the ratio of the medians: with few steps the draw of mini-batches moves a KLD by several per cent.
 
 ``--gguf TYPE ...`` (llama.cpp mixes such as q4_k_m, q3_k_m) writes GGUF files instead of the integer rows, three
 per type: auto-round's own GGUF export (scheme ``GGUF:Q4_K_M``, ``quantize_and_save(format="gguf:q4_k_m")``, same
@@ -41,6 +44,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -81,11 +85,11 @@ def autoround_settings(args) -> list[str]:
     return [arg for item in (f"iters={args.iters}", f"batch_size={args.batch_size}", *args.set) for arg in ("-O", item)]
 
 
-def ours(args, model: Path, bits: int, out: Path) -> tuple[float, float]:
+def ours(args, model: Path, bits: int, out: Path, seed: int | None = None) -> tuple[float, float]:
     compress = Path(sys.executable).with_name("compress")
     command = [str(compress), "quantize", str(model), "-o", str(out), "--bits", str(bits), "--group-size",
                str(args.group_size), "--method", "autoround", *calibration(args), "--compute-dtype", args.compute_dtype,
-               *autoround_settings(args)]
+               *autoround_settings(args), *(["-O", f"seed={seed}"] if seed is not None else [])]
     return timed(command, out.with_name(out.name + ".log"), args.threads)
 
 
@@ -100,12 +104,13 @@ def ours_gguf(args, model: Path, kind: str, spec: str, out: Path) -> tuple[float
     return timed(command, out.with_name(out.name + ".log"), args.threads)
 
 
-def anchor(args, model: Path, bits: int | str, windows: Path, out: Path) -> tuple[float, float, Path]:
-    """auto-round on ``windows``; ``bits`` an int, or a GGUF preset ``gguf:q4_k_m``. Its output folder (integer) or
-    file (GGUF)."""
+def anchor(args, model: Path, bits: int | str, windows: Path, out: Path, seed: int | None = None) -> tuple[float, float, Path]:
+    """auto-round on ``windows``; ``bits`` an int, or a GGUF preset ``gguf:q4_k_m``; ``seed``: its own default where
+    None. Its output folder (integer) or file (GGUF)."""
     python = args.venv / "bin" / "python"
     command = [str(python), str(REPO / "bench/anchors/autoround_run.py"), str(model), str(out), str(windows),
-               str(bits), str(args.group_size), str(args.iters), str(args.batch_size), str(int(args.amp))]
+               str(bits), str(args.group_size), str(args.iters), str(args.batch_size), str(int(args.amp)),
+               *([str(seed)] if seed is not None else [])]
     seconds, rss = timed(command, out.with_name(out.name + ".log"), args.threads)
     if str(bits).startswith("gguf:"):
         return seconds, rss, next(out.rglob("*.gguf"))  # auto-round writes OUT/<model>-gguf/<model>-<size>-<TYPE>.gguf
@@ -201,6 +206,7 @@ def main() -> None:
                     help="auto-round tunes in bfloat16 (its default on a CPU); --no-amp: in float32")
     ap.add_argument("--venv", type=Path, default=DEFAULT_VENV)
     ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="another setting of our method")
+    ap.add_argument("--seeds", type=int, nargs="+", help="each tool once per seed of its mini-batch order; medians")
     ap.add_argument("--gguf", nargs="+", metavar="TYPE", help="GGUF types (q4_k_m q3_k_m ...): auto-round's GGUF export, "
                     "our autoround and gptq exports, scored by llama-perplexity --kl-divergence, instead of --bits")
     ap.add_argument("--ours", nargs="+", default=["autoround", "gptq"], metavar="METHOD[:KEY=VALUE,...]",
@@ -226,21 +232,33 @@ def main() -> None:
               f"auto-round {'bfloat16 (amp)' if args.amp else 'float32'}\n", flush=True)
         if args.gguf:
             return gguf_rows(args, model, tokens, scratch)
-        print("| bits | tool | wall s | x auto-round | peak RSS GB | KLD | ppl |\n|---:|---|---:|---:|---:|---:|---:|", flush=True)
+        print("| bits | seed | tool | wall s | x auto-round | peak RSS GB | KLD | ppl |\n|---:|---:|---|---:|---:|---:|---:|---:|",
+              flush=True)
         ratios = []
         for bits in args.bits:
-            mine = scratch / f"ours-w{bits}"
-            wall_ours, rss_ours = ours(args, model, bits, mine)
-            wall_ar, rss_ar, theirs = anchor(args, model, bits, tokens, scratch / f"autoround-w{bits}")
-            scores = {"ours": score(args, mine, model), "auto-round": score(args, theirs, model)}
-            for key, name, wall, rss in (("ours", "ours", wall_ours, rss_ours),
-                                         ("auto-round", "auto-round 0.16.1", wall_ar, rss_ar)):
-                print(f"| {bits} | {name} | {wall:.1f} | {wall / wall_ar:.2f} | {rss:.2f} | {scores[key]['kld']:.5f} | "
-                      f"{scores[key]['perplexity']:.3f} |", flush=True)
-            ratios.append((bits, wall_ours / wall_ar, rss_ours / rss_ar, scores["ours"]["kld"] / scores["auto-round"]["kld"]))
-            shutil.rmtree(mine, ignore_errors=True)
-            shutil.rmtree(theirs.parent, ignore_errors=True)
-        print("\nours / auto-round: " + "; ".join(f"w{b}: wall {w:.2f}, RSS {r:.2f}, KLD {k:.2f}" for b, w, r, k in ratios))
+            klds: dict[str, list[float]] = {"ours": [], "auto-round": []}
+            walls: dict[str, list[float]] = {"ours": [], "auto-round": []}
+            for seed in args.seeds or [None]:
+                mine = scratch / f"ours-w{bits}"
+                wall_ours, rss_ours = ours(args, model, bits, mine, seed)
+                wall_ar, rss_ar, theirs = anchor(args, model, bits, tokens, scratch / f"autoround-w{bits}", seed)
+                scores = {"ours": score(args, mine, model), "auto-round": score(args, theirs, model)}
+                for key, name, wall, rss in (("ours", "ours", wall_ours, rss_ours),
+                                             ("auto-round", "auto-round 0.16.1", wall_ar, rss_ar)):
+                    print(f"| {bits} | {'default' if seed is None else seed} | {name} | {wall:.1f} | {wall / wall_ar:.2f} | "
+                          f"{rss:.2f} | {scores[key]['kld']:.5f} | {scores[key]['perplexity']:.3f} |", flush=True)
+                    klds[key].append(scores[key]["kld"])
+                    walls[key].append(wall)
+                shutil.rmtree(mine, ignore_errors=True)
+                shutil.rmtree(theirs.parent, ignore_errors=True)
+            kld = {key: statistics.median(values) for key, values in klds.items()}
+            wall = {key: statistics.median(values) for key, values in walls.items()}
+            if args.seeds:
+                print(f"| {bits} | median | ours / auto-round | {wall['ours']:.1f} / {wall['auto-round']:.1f} | "
+                      f"{wall['ours'] / wall['auto-round']:.2f} | | {kld['ours']:.5f} / {kld['auto-round']:.5f} | |", flush=True)
+            ratios.append((bits, wall["ours"] / wall["auto-round"], rss_ours / rss_ar, kld["ours"] / kld["auto-round"]))
+        print("\nours / auto-round" + (" (medians over the seeds; RSS of the last)" if args.seeds else "") + ": "
+              + "; ".join(f"w{b}: wall {w:.2f}, RSS {r:.2f}, KLD {k:.2f}" for b, w, r, k in ratios))
 
 
 if __name__ == "__main__":

@@ -240,25 +240,32 @@ def _solve_rows(W: torch.Tensor, U: torch.Tensor, kind: GGMLType, batch: int, im
     ``W·H``), with ``W``'s rows cut into runs (`row_parts`), each run's whole work on one thread of its own: given
     ``U`` and ``H`` each row's codes, grids, errors and scales depend on that row alone, so the bytes are those of
     the work over every row (tests/quantizers/test_gguf_gptq.py), and the threads meet once instead of at every step."""
+    rows, cols = W.shape
+    parts = row_parts(rows, kind, torch.get_num_threads())  # W is on the CPU (`gguf_gptq`)
+    # each run decodes into its rows of these (no per-run copies to join: a Llama-sized layer's is ~0.2 GB)
+    decoded = torch.empty(rows, cols)
+    refitted = torch.empty(rows, cols) if hessian is not None else None
 
-    def solve(a: int, b: int) -> _SolvedRows:
+    def solve(a: int, b: int) -> tuple:
         data, err_rows, rounded = _solve_columns(W[a:b], U, kind, batch, importance, row_sigma2[a:b])
-        decoded = torch.from_numpy(decode_tensor(data, kind, W.shape[1]))
-        refit = None if hessian is None else refit_scales(W[a:b], hessian, data, kind, weight_h[a:b], decoded)
-        return _SolvedRows(data, err_rows, rounded if keep_rounded else None, decoded, refit)
+        decode_tensor(data, kind, cols, decoded[a:b].numpy())
+        refit = None if hessian is None else refit_scales(W[a:b], hessian, data, kind, weight_h[a:b], decoded[a:b],
+                                                          into=refitted[a:b])
+        return data, err_rows, rounded if keep_rounded else None, refit
 
-    rows = W.shape[0]
-    parts = row_parts(rows, kind, torch.get_num_threads()) if W.device.type == "cpu" else 1
     if parts == 1:
-        return solve(0, rows)
-    with one_thread(W.device), one_thread_workers(parts - 1) as pool:  # every step inside on its run's thread alone
-        runs = share_runs(pool, solve, even_runs(rows, parts))
-    refits = [run.refit for run in runs]
-    refit = None if hessian is None else ScaleRefit(np.concatenate([r.data for r in refits]),
-                                                   torch.cat([r.weight for r in refits]), torch.cat([r.gain_rows for r in refits]))
-    return _SolvedRows(np.concatenate([run.data for run in runs]), torch.cat([run.err_rows for run in runs]),
-                       torch.cat([run.rounded for run in runs]) if keep_rounded else None,
-                       torch.cat([run.decoded for run in runs]), refit)
+        runs = [solve(0, rows)]
+    else:
+        with one_thread(W.device), one_thread_workers(parts - 1) as pool:  # every step inside on its run's thread alone
+            runs = share_runs(pool, solve, even_runs(rows, parts))
+    def joined(parts: tuple, cat):  # one run's as it is
+        return parts[0] if len(parts) == 1 else cat(parts)
+
+    data, err_rows, rounded, refits = zip(*runs)
+    refit = None if hessian is None else ScaleRefit(joined(tuple(r.data for r in refits), np.concatenate), refitted,
+                                                   joined(tuple(r.gain_rows for r in refits), torch.cat))
+    return _SolvedRows(joined(data, np.concatenate), joined(err_rows, torch.cat),
+                       joined(rounded, torch.cat) if keep_rounded else None, decoded, refit)
 
 
 def _solve_columns(W: torch.Tensor, U: torch.Tensor, kind: GGMLType, batch: int, importance: np.ndarray | None,

@@ -44,10 +44,12 @@ def worth_refitting(kind: GGMLType) -> bool:
 
 
 def refit_scales(weight: torch.Tensor, hessian: torch.Tensor, data: np.ndarray, kind: GGMLType,
-                 weight_h: torch.Tensor | None = None, decoded: torch.Tensor | None = None) -> ScaleRefit:
+                 weight_h: torch.Tensor | None = None, decoded: torch.Tensor | None = None,
+                 into: torch.Tensor | None = None) -> ScaleRefit:
     """Each block's float16 scale (and min) of ``data`` re-solved for ``min tr((W − Q) H (W − Q)ᵀ)``, codes kept.
     Where the caller has them: ``weight_h`` ``W·H`` ``[out, in]`` float32 (GPTQ's energy ``tr(W H Wᵀ)`` needs it
-    too) and ``decoded``, the decode of ``data``."""
+    too) and ``decoded``, the decode of ``data``; ``into``: a C-contiguous float32 CPU ``[out, in]`` for the new
+    decode (the result's ``weight``)."""
     if not refittable(kind):
         raise ValueError(f"{kind.name} stores no float16 block scale to solve")
     rows, cols = weight.shape
@@ -74,7 +76,8 @@ def refit_scales(weight: torch.Tensor, hessian: torch.Tensor, data: np.ndarray, 
     for k, (at, s) in enumerate(zip(fields, stored)):
         out[:, :, at : at + 2] = (s * factors[:, k * nb : (k + 1) * nb]).astype("<f2")[..., None].view(np.uint8)
     out = out.reshape(rows, -1)
-    return ScaleRefit(out, torch.from_numpy(decode_tensor(out, kind, cols)), gain)
+    decode = decode_tensor(out, kind, cols, None if into is None else into.numpy())
+    return ScaleRefit(out, into if into is not None else torch.from_numpy(decode), gain)
 
 
 def _field(blocks: np.ndarray, at: int) -> np.ndarray:

@@ -58,6 +58,7 @@ def named(model_dir: Path, architecture: str, out: Path) -> Path:
 
 def main() -> None:
     model_dir, out, windows_path, bits, group_size, iters, batch_size, amp = sys.argv[1:9]
+    seed = int(sys.argv[9]) if len(sys.argv) > 9 else 42  # auto-round's default
     windows = json.loads(open(windows_path).read())
     dataset = [torch.tensor([w], dtype=torch.long) for w in windows]
     gguf = bits.startswith("gguf:")
@@ -70,7 +71,7 @@ def main() -> None:
                                                       "group_size": int(group_size), "sym": True}
     rounder = AutoRound(
         model, tokenizer, **scheme, dataset=dataset, nsamples=len(windows), seqlen=len(windows[0]), iters=int(iters),
-        batch_size=int(batch_size), device_map="cpu", amp=bool(int(amp)),
+        batch_size=int(batch_size), device_map="cpu", amp=bool(int(amp)), seed=seed,
     )
     rounder.quantize_and_save(out, format=bits if gguf else "llm_compressor")
 

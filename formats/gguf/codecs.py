@@ -162,13 +162,18 @@ def in_chunks(n: int, block: int, work: Callable[[slice], None], chunk: int = CH
                 list(pool.map(work, parts))
 
 
-def decode_tensor(data: np.ndarray, kind: GGMLType, cols: int) -> np.ndarray:
-    """``[rows, row_bytes]`` uint8 -> ``[rows, cols]`` float32; a large tensor's blocks in parts (`in_chunks`), each
-    decoded alone (the decoders are per block: the same values), so that no temporary is the whole tensor's."""
+def decode_tensor(data: np.ndarray, kind: GGMLType, cols: int, out: np.ndarray | None = None) -> np.ndarray:
+    """``[rows, row_bytes]`` uint8 -> ``[rows, cols]`` float32 (into ``out``, a C-contiguous float32 ``[rows, cols]``,
+    where given); a large tensor's blocks in parts (`in_chunks`), each decoded alone (the decoders are per block: the
+    same values), so that no temporary is the whole tensor's."""
     _, decode = _functions(kind)
     block, size = BLOCK_SIZES[kind]
     blocks = np.ascontiguousarray(data, dtype=np.uint8).reshape(-1, size)
-    out = np.empty((blocks.shape[0], block), dtype=np.float32)
+    if out is None:
+        out = np.empty((blocks.shape[0], block), dtype=np.float32)
+    elif out.dtype != np.float32 or not out.flags.c_contiguous or out.size != blocks.shape[0] * block:
+        raise ValueError(f"decode_tensor's out must be C-contiguous float32 [{data.shape[0]}, {cols}]")
+    out = out.reshape(-1, block)
 
     def work(part: slice) -> None:
         out[part] = decode(blocks[part])

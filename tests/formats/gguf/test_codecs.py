@@ -87,6 +87,19 @@ def test_a_tensor_decoded_in_parts_on_two_threads_is_bit_exact_with_gguf_py(kind
     assert same_bits(ours, ref)
 
 
+def test_a_decode_into_rows_of_a_larger_array_is_gguf_pys_and_a_wrong_out_is_refused():
+    kind = GGMLType.Q4_K
+    w = weights(rows=10, cols=512, seed=5)
+    data = encode_tensor(w, kind)
+    whole = np.full((14, 512), np.nan, dtype=np.float32)
+    assert decode_tensor(data, kind, 512, whole[2:12]) is not None
+    ref = dequantize(data.copy(), gguf.GGMLQuantizationType(int(kind))).reshape(10, 512)
+    assert same_bits(whole[2:12], ref) and np.isnan(whole[:2]).all() and np.isnan(whole[12:]).all()
+    for wrong in (np.empty((10, 512), np.float64), np.empty((10, 1024), np.float32)[:, :512], np.empty((4, 512), np.float32)):
+        with pytest.raises(ValueError, match="C-contiguous float32"):
+            decode_tensor(data, kind, 512, wrong)
+
+
 @pytest.mark.parametrize("kind", GGUF_PY_ENCODES, ids=lambda k: k.name)
 def test_encode_is_bit_exact_with_gguf_py(kind):
     w = weights()
