@@ -51,6 +51,12 @@ class Ranks:
             dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(hours=6))
         return cls(dist.get_rank(), dist.get_world_size())
 
+    @staticmethod
+    def launched_main() -> bool:
+        """Whether this process will be the main rank (`main`), read from the launcher's environment before the
+        process group is joined: no launcher, or ``RANK`` 0."""
+        return int(os.environ.get("WORLD_SIZE", "1")) <= 1 or int(os.environ.get("RANK", "0")) == 0
+
     @property
     def main(self) -> bool:
         """The rank that writes the output and reports progress."""

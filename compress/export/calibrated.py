@@ -168,7 +168,8 @@ def export_calibrated(
                      or method.learns and (autoround is None or autoround.weighted_fit))
     # recorded in the file: the AWQ path exports a scaled copy, so the source is named here
     config = replace(config, source=config.source or config.model, method=method.value, calibration=calibration.model_dump(mode="json"))
-    inputs = Background(lambda: recorded_inputs(config), "input digests")  # on a core the imports leave idle
+    # the record's digests on a core the imports leave idle, by the process that writes the file
+    inputs = Background(lambda: recorded_inputs(config), "input digests") if Ranks.launched_main() else None
     handle = open_model(config.model)
     stored = layer_types(config.model, config)  # by on-disk name; the engine's layers by module name (Mixtral's differ)
     blocks = [handle.block_name(i) for i in range(len(handle.blocks))]

@@ -49,6 +49,17 @@ def test_one_process_shares_nothing():
         assert torch.equal(ranks.strided_rows(x, count), x[:: max(1, 20 // count)][:count])
 
 
+def test_the_launched_main_rank_is_known_from_the_launchers_environment(monkeypatch):
+    """What torchrun sets (WORLD_SIZE, RANK): rank 0 of a launch, or a process alone, will write."""
+    for world, rank, main in ((None, None, True), ("1", None, True), ("2", "0", True), ("2", "1", False), ("4", "3", False)):
+        for name, value in (("WORLD_SIZE", world), ("RANK", rank)):
+            if value is None:
+                monkeypatch.delenv(name, raising=False)
+            else:
+                monkeypatch.setenv(name, value)
+        assert Ranks.launched_main() is main, (world, rank)
+
+
 def test_jobs_are_balanced_within_grahams_bound():
     """Longest-processing-time-first is within 4/3 - 1/(3m) of the best makespan (Graham 1969); checked
     against every assignment of small random job sets."""
